@@ -1,0 +1,72 @@
+"""Per-token KL estimators between the policy and the reference model, chosen by name.
+
+Schulman, "Approximating KL Divergence" (2020, http://joschu.net/blog/kl-approx.html): with
+log_ratio = logprobs - ref_logprobs for tokens sampled from the policy,
+  k1 = log_ratio                       unbiased, high variance, can be negative
+  k2 = 0.5 * log_ratio^2               biased, low variance
+  k3 = exp(-log_ratio) + log_ratio - 1 unbiased, low variance, always >= 0 ("low_var_kl")
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from hybridrl.algos.aggregation import aggregate_loss
+from hybridrl.algos.masking import check_same_shape
+from hybridrl.algos.registry import Registry
+
+KLEstimator = Callable[[torch.Tensor], torch.Tensor]  # log_ratio [B, T] -> kl [B, T]
+
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
+
+
+@KL_ESTIMATORS.register("k1")
+def _k1(log_ratio: torch.Tensor) -> torch.Tensor:
+    return log_ratio
+
+
+@KL_ESTIMATORS.register("abs")
+def _abs(log_ratio: torch.Tensor) -> torch.Tensor:
+    return log_ratio.abs()
+
+
+@KL_ESTIMATORS.register("k2")
+def _k2(log_ratio: torch.Tensor) -> torch.Tensor:
+    return 0.5 * log_ratio.square()
+
+
+@KL_ESTIMATORS.register("k3")
+@KL_ESTIMATORS.register("low_var_kl")
+def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    # The exponent is clamped first and the result after, as verl does: one token whose
+    # reference log-prob is far off must not blow up the step.
+    ref_minus_logp = (-log_ratio).clamp(-20.0, 20.0)
+    return (torch.exp(ref_minus_logp) - ref_minus_logp - 1.0).clamp(-10.0, 10.0)
+
+
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str
+) -> torch.Tensor:
+    """Per-token KL(policy || reference) estimate [B, T]; estimator in KL_ESTIMATORS.names()."""
+    check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
+    return KL_ESTIMATORS.get(estimator)(logprobs - ref_logprobs)
+
+
+def kl_loss(
+    logprobs: torch.Tensor,  # [B, T]
+    ref_logprobs: torch.Tensor,  # [B, T]
+    response_mask: torch.Tensor,  # [B, T]
+    *,
+    estimator: str = "low_var_kl",
+    loss_agg: str = "token-mean",
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    max_response_length: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL to the reference as a loss term (GRPO, Shao et al. 2024, Eq. 3-4). Metric: kl_loss."""
+    per_token = kl_penalty(logprobs, ref_logprobs, estimator)
+    loss = aggregate_loss(per_token, response_mask, loss_agg, num_tokens=num_tokens,
+                          num_seqs=num_seqs, max_response_length=max_response_length)
+    return loss, {"kl_loss": loss.detach()}
