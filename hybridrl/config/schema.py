@@ -1,0 +1,132 @@
+"""Typed run configuration: one dataclass per section, one comment per field.
+
+Cross-field checks live in `validate.py` and run once, when a config is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # HF Hub id or local directory of the policy (actor) model
+    dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU), "float32", "bfloat16" or "float16"
+    attn_implementation: str | None = None  # e.g. "sdpa", "eager"; None lets transformers choose
+    trust_remote_code: bool = False  # run code shipped with the model; off unless you trust it
+    chat_template: str | None = None  # Jinja chat template to use when the tokenizer has none
+    gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    critic_path: str | None = None  # critic (value model) init; None means start from model.path
+    reward_model_path: str | None = None  # learned reward model (sequence classifier), optional
+
+
+@dataclass
+class DataConfig:
+    train_path: str = ""  # prompt dataset: .jsonl, .json or .parquet
+    eval_path: str | None = None  # held-out prompts for evaluation (same format)
+    prompt_key: str = "prompt"  # column holding the prompt (string or chat messages)
+    max_prompt_length: int = 512  # prompts longer than this (in tokens) are bad rows
+    on_bad_row: str = "error"  # "error": stop at the first bad row; "drop": skip and count them
+    shuffle: bool = True  # reshuffle the prompts every epoch (deterministically from train.seed)
+    # Preference / SFT column names (DPO, KTO, SFT, reward-model training).
+    chosen_key: str = "chosen"  # preferred completion column (DPO, reward model)
+    rejected_key: str = "rejected"  # dispreferred completion column (DPO, reward model)
+    completion_key: str = "completion"  # completion column (KTO)
+    label_key: str = "label"  # desirable/undesirable boolean column (KTO)
+    response_key: str = "response"  # response column (SFT prompt/response data)
+    messages_key: str = "messages"  # chat-messages column (SFT chat data)
+    max_length: int = 1024  # prompt + completion token limit (offline algorithms)
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "auto"  # "auto" (native on GPU where supported, else hf), "native" or "hf"
+    n: int = 8  # responses sampled per prompt (the group size of GRPO / RLOO)
+    max_tokens: int = 64  # most tokens generated per response
+    temperature: float = 1.0  # sampling temperature; 0 means greedy
+    top_p: float = 1.0  # nucleus sampling threshold; 1 disables it
+    top_k: int = 0  # keep only the k most likely tokens; 0 disables it
+    kv_cache_fraction: float = 0.3  # native engine: fraction of free GPU memory for the KV cache
+    eval_temperature: float = 0.0  # temperature for evaluation (0: greedy accuracy)
+
+
+@dataclass
+class RewardConfig:
+    # Reward components, summed with their weights. Each entry is either a built-in scorer
+    # {"name": "arith"} or a function {"function": "my_pkg.rewards:score" | "file.py:score"},
+    # with optional "weight" (default 1.0) and "kwargs".
+    functions: list[dict[str, Any]] = field(default_factory=lambda: [{"name": "arith"}])
+    timeout_s: float | None = None  # per-sample time limit for reward functions; None: no limit
+    num_workers: int = 0  # threads scoring in parallel with generation; 0 scores after rollout
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"  # "grpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline", ...
+    advantage: str | None = None  # advantage estimator; None picks the algorithm's default
+    norm_by_std: bool = True  # GRPO: divide by the group std (False = Dr. GRPO)
+    gamma: float = 1.0  # discount factor (GAE, REINFORCE++)
+    lam: float = 0.95  # GAE lambda
+    kl_coef: float = 0.0  # weight of the KL to the reference model; 0 loads no reference
+    kl_estimator: str = "k3"  # "k1", "k2", "k3" (low-variance) or "abs"
+    kl_in_reward: bool = False  # True: subtract kl_coef*KL from the reward; False: add it to the loss
+    clip_low: float = 0.2  # PPO ratio clip below 1 (1 - clip_low)
+    clip_high: float = 0.2  # PPO ratio clip above 1 (1 + clip_high); 0.28 is DAPO's clip-higher
+    dual_clip: float | None = None  # dual-clip bound c > 1 for negative advantages; None disables
+    entropy_coef: float = 0.0  # entropy bonus weight
+    loss_agg: str = "token-mean"  # "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", ...
+    value_clip: float | None = 0.2  # PPO value-function clip; None disables
+    vf_coef: float = 1.0  # critic loss weight
+    # Offline algorithms.
+    beta: float = 0.1  # DPO / KTO temperature
+    dpo_loss: str = "sigmoid"  # "sigmoid", "ipo" or "robust"
+    label_smoothing: float = 0.0  # conservative DPO: assumed label-noise probability
+    desirable_weight: float = 1.0  # KTO weight of desirable examples
+    undesirable_weight: float = 1.0  # KTO weight of undesirable examples
+    rm_margin: float = 0.0  # reward model: margin added to the Bradley-Terry loss
+
+
+@dataclass
+class TrainConfig:
+    total_steps: int = 100  # optimizer-update steps (one rollout batch per RL step)
+    batch_size: int = 64  # responses per RL step (prompts per step = batch_size / rollout.n)
+    mini_batch_size: int | None = None  # responses per optimizer step; None = batch_size
+    micro_batch_size: int = 16  # responses per forward/backward (gradient accumulation)
+    ppo_epochs: int = 1  # passes over each rollout batch
+    lr: float = 1e-6  # actor learning rate
+    critic_lr: float = 1e-5  # critic learning rate (PPO)
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    adam_eps: float = 1e-8  # AdamW epsilon
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    lr_schedule: str = "constant"  # "constant" or "cosine" (both with linear warmup)
+    warmup_steps: int = 0  # linear warmup steps
+    min_lr_ratio: float = 0.0  # cosine: final lr as a fraction of lr
+    seed: int = 0  # seeds data order, sampling and initialisation
+    device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
+    num_threads: int | None = None  # CPU: torch intra-op threads; None keeps torch's default
+    max_skipped_steps: int = 5  # abort after this many consecutive updates with NaN/inf
+
+
+@dataclass
+class TrainerConfig:
+    output_dir: str = "runs/hybridrl"  # metrics, checkpoints and the resolved config go here
+    save_every: int = 50  # checkpoint every N steps (and at the end); 0 disables
+    keep_last: int = 3  # checkpoints kept on disk (older ones are deleted)
+    resume: str = "auto"  # "auto" (latest if present), "off", or a checkpoint directory path
+    eval_every: int = 0  # evaluate on data.eval_path every N steps; 0 disables
+    eval_samples: int = 200  # held-out prompts used per evaluation
+    progress: bool = True  # show a progress bar on the console
+    continue_on_save_error: bool = False  # keep training if a checkpoint cannot be written
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -1,0 +1,170 @@
+"""`RolloutEngine`: one generate() for every backend, text in and text + ids + log-probs out."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+
+from hybridrl.rollout.types import GeneratedSequence, GenerationRequest, RolloutSample
+
+log = logging.getLogger("hybridrl.rollout")
+
+# name -> factory(model, tokenizer, **kwargs) -> backend. Backends register themselves on import.
+BACKENDS: dict[str, Callable[..., Any]] = {}
+
+
+def register_backend(name: str, factory: Callable[..., Any]) -> None:
+    BACKENDS[name] = factory
+
+
+def _hf_factory(model, tokenizer, **kwargs):
+    from hybridrl.rollout.hf_backend import HFBackend
+
+    return HFBackend(model, tokenizer, **kwargs)
+
+
+register_backend("hf", _hf_factory)
+
+
+def _native_supported(model) -> bool:
+    try:
+        from hybridrl.rollout.native import NativeBackend
+    except ImportError:
+        return False
+    return NativeBackend.supports(model)
+
+
+def _native_factory(model, tokenizer, **kwargs):
+    from hybridrl.rollout.native import NativeBackend
+
+    return NativeBackend(model, tokenizer, **kwargs)
+
+
+register_backend("native", _native_factory)
+
+
+class RolloutEngine:
+    """Generates responses from a model whose weights it shares with the trainer.
+
+        engine = RolloutEngine.from_hf("Qwen/Qwen2.5-0.5B-Instruct", backend="native")
+        samples = engine.generate(["What is 2+2?"], n=4, max_tokens=64, temperature=1.0, seed=0)
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer, backend: str = "auto", **backend_kwargs):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.backend_name = self._choose_backend(model, backend)
+        self.backend = BACKENDS[self.backend_name](model, tokenizer, **backend_kwargs)
+
+    @classmethod
+    def from_hf(
+        cls,
+        path: str,
+        *,
+        backend: str = "auto",
+        dtype: str = "auto",
+        device: str = "auto",
+        attn_implementation: str | None = None,
+        trust_remote_code: bool = False,
+        chat_template: str | None = None,
+        **backend_kwargs,
+    ) -> "RolloutEngine":
+        """Loads a model and tokenizer from a Hub id or a local directory."""
+        from hybridrl.models import load_causal_lm, load_tokenizer
+
+        tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code, chat_template=chat_template)
+        model = load_causal_lm(
+            path, dtype=dtype, device=device, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        )
+        engine = cls(model, tokenizer, backend=backend, **backend_kwargs)
+        engine.path = path
+        return engine
+
+    @staticmethod
+    def _choose_backend(model, backend: str) -> str:
+        on_gpu = next(model.parameters()).device.type == "cuda"
+        if backend == "auto":
+            return "native" if on_gpu and _native_supported(model) else "hf"
+        if backend not in BACKENDS:
+            raise ValueError(f"rollout backend {backend!r} is not known; choose one of {', '.join(sorted(BACKENDS))} or auto")
+        if backend == "native" and not _native_supported(model):
+            log.warning(
+                "the native rollout engine does not support %s; falling back to the hf backend (transformers generate)",
+                type(model).__name__,
+            )
+            return "hf"
+        return backend
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def encode_prompts(self, prompts: Sequence[str | list[dict] | list[int]]) -> list[list[int]]:
+        """Token ids for prompts given as text, chat messages, or ids already."""
+        ids = []
+        for p in prompts:
+            if isinstance(p, str):
+                ids.append(self.tokenizer(p, add_special_tokens=False)["input_ids"])
+            elif p and isinstance(p[0], dict):
+                text = self.tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                ids.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            else:
+                ids.append(list(p))
+            if not ids[-1]:
+                raise ValueError(f"prompt {len(ids) - 1} is empty; every prompt needs at least one token")
+        return ids
+
+    def generate(
+        self,
+        prompts: Sequence[str | list[dict] | list[int]],
+        *,
+        n: int = 1,
+        max_tokens: int | Sequence[int] = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        on_finished: Callable[[RolloutSample], None] | None = None,
+    ) -> list[RolloutSample]:
+        """n samples per prompt, ordered prompt by prompt. Greedy when temperature == 0."""
+        prompt_ids = self.encode_prompts(prompts)
+        limits = [max_tokens] * len(prompt_ids) if isinstance(max_tokens, int) else list(max_tokens)
+        if len(limits) != len(prompt_ids):
+            raise ValueError(f"max_tokens has {len(limits)} entries for {len(prompt_ids)} prompts; give one per prompt or one int")
+        stops = list(stop_token_ids) if stop_token_ids is not None else [self.tokenizer.eos_token_id]
+        request = GenerationRequest(
+            prompt_ids=prompt_ids, n=n, max_tokens=limits, temperature=temperature, top_p=top_p, top_k=top_k,
+            seed=seed, stop_token_ids=stops,
+        )
+        texts = [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)]
+
+        def to_sample(seq: GeneratedSequence) -> RolloutSample:
+            return RolloutSample(
+                prompt_index=seq.prompt_index,
+                sample_index=seq.sample_index,
+                prompt=texts[seq.prompt_index],
+                prompt_ids=prompt_ids[seq.prompt_index],
+                response=self.tokenizer.decode(seq.response_ids, skip_special_tokens=True),
+                response_ids=seq.response_ids,
+                response_logprobs=seq.response_logprobs,
+                finish_reason=seq.finish_reason,
+            )
+
+        callback = None if on_finished is None else (lambda seq: on_finished(to_sample(seq)))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            seqs = self.backend.generate(request, callback)
+        finally:
+            self.model.train(was_training)
+        return [to_sample(s) for s in seqs]
+
+    def sleep(self) -> None:
+        """Frees generation memory (KV cache) so training can use it."""
+        self.backend.sleep()
+
+    def wake(self) -> None:
+        self.backend.wake()

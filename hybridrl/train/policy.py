@@ -1,0 +1,107 @@
+"""The actor: log-prob passes and the policy update (PPO-clip surrogate + KL + entropy)."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridrl.algos import aggregate_loss, get_policy_loss, kl_penalty, masked_mean
+from hybridrl.config import AlgorithmConfig, TrainConfig
+from hybridrl.train.batch import SequenceBatch, split_indices
+from hybridrl.train.logprobs import response_logprobs
+from hybridrl.train.update import StepResult, mean_metrics, optimizer_step
+
+
+def logprob_diff_metrics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the rollout engine's log-probs are from the trainer's: a mismatch shows here."""
+    diff = (trainer_logprobs - rollout_logprobs).abs() * mask
+    return {"rollout/logprob_diff/mean": float(masked_mean(diff, mask)), "rollout/logprob_diff/max": float(diff.max())}
+
+
+@torch.no_grad()
+def batched_logprobs(model: torch.nn.Module, batch: SequenceBatch, *, micro_batch_size: int, temperature: float) -> torch.Tensor:
+    """Log-probs `[B, T]` of the batch's responses, computed micro-batch by micro-batch."""
+    T = batch.response_mask.shape[1]
+    out = torch.zeros(batch.size, T, dtype=torch.float32, device=batch.input_ids.device)
+    for idx in split_indices(batch.size, micro_batch_size):
+        micro = batch.select(idx)
+        lp, _ = response_logprobs(model, micro, temperature=temperature)
+        out[idx, : lp.shape[1]] = lp
+    return out
+
+
+class PolicyTrainer:
+    """Updates the actor on a batch that carries advantages, old and (optionally) reference log-probs."""
+
+    def __init__(self, model, optimizer, scheduler, train: TrainConfig, algo: AlgorithmConfig, temperature: float):
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.train_cfg = train
+        self.algo = algo
+        self.temperature = temperature
+        self.policy_loss = get_policy_loss("ppo")
+
+    def update(self, batch: SequenceBatch, *, shuffle_seed: int) -> tuple[dict[str, float], int]:
+        """PPO epochs over mini-batches; returns (metrics, number of skipped non-finite updates)."""
+        mini = self.train_cfg.mini_batch_size or batch.size
+        gen = torch.Generator().manual_seed(shuffle_seed)
+        results: list[StepResult] = []
+        self.model.train()
+        for _ in range(self.train_cfg.ppo_epochs):
+            order = torch.randperm(batch.size, generator=gen).tolist() if mini < batch.size else list(range(batch.size))
+            for start in range(0, batch.size, mini):
+                mini_idx = order[start : start + mini]
+                mini_batch = batch.select(mini_idx)
+                num_tokens = float(mini_batch.response_mask.sum())
+                micros = [mini_batch.select(i) for i in split_indices(mini_batch.size, self.train_cfg.micro_batch_size)]
+                results.append(
+                    optimizer_step(
+                        self.model, self.optimizer, micros,
+                        lambda m: self._loss(m, num_tokens=num_tokens, num_seqs=float(mini_batch.size), max_len=batch.response_mask.shape[1]),
+                        grad_clip=self.train_cfg.grad_clip,
+                    )
+                )
+        self.model.eval()
+        metrics = mean_metrics([r.metrics for r in results])
+        applied = [r.grad_norm for r in results if not r.skipped]
+        metrics["actor/grad_norm"] = sum(applied) / len(applied) if applied else float("nan")
+        metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        return metrics, sum(r.skipped for r in results)
+
+    def _loss(self, micro: SequenceBatch, *, num_tokens: float, num_seqs: float, max_len: int):
+        algo = self.algo
+        # Entropy is always computed: it is reported every step, and costs little next to the logits.
+        logprobs, entropy = response_logprobs(self.model, micro, temperature=self.temperature, with_entropy=True)
+        mask = micro.response_mask
+        agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_response_length=max_len)
+        metrics: dict[str, float] = {}
+        if "old_logprobs" in micro:
+            old_logprobs = micro["old_logprobs"]
+        else:  # exactly on-policy: this pass IS the old-log-prob pass (see rl_step.compute_old_logprobs)
+            old_logprobs = logprobs.detach()
+            if "rollout_logprobs" in micro:
+                metrics.update(logprob_diff_metrics(old_logprobs, micro["rollout_logprobs"], mask))
+        pg_loss, pg_metrics = self.policy_loss(
+            logprobs, old_logprobs, micro["advantages"], mask,
+            clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, loss_agg=algo.loss_agg, **agg,
+        )
+        loss = pg_loss
+        metrics |= {
+            "actor/pg_loss": float(pg_loss.detach()),
+            "actor/pg_clipfrac": float(pg_metrics["pg_clipfrac"]),
+            "actor/pg_clipfrac_lower": float(pg_metrics["pg_clipfrac_lower"]),
+            "actor/ppo_kl": float(pg_metrics["ppo_kl"]),
+            "actor/entropy": float(masked_mean(entropy.detach(), mask)),
+        }
+        if algo.entropy_coef > 0:
+            ent_loss = aggregate_loss(entropy, mask, algo.loss_agg, **agg)
+            loss = loss - algo.entropy_coef * ent_loss
+        if "ref_logprobs" in micro:
+            kl = kl_penalty(logprobs, micro["ref_logprobs"], algo.kl_estimator)
+            metrics["actor/kl"] = float(masked_mean(kl.detach(), mask))
+            if algo.kl_coef > 0 and not algo.kl_in_reward:
+                kl_loss = aggregate_loss(kl, mask, algo.loss_agg, **agg)
+                loss = loss + algo.kl_coef * kl_loss
+                metrics["actor/kl_loss"] = float(kl_loss.detach())
+        return loss, metrics

@@ -1,0 +1,75 @@
+"""One optimizer step over a mini-batch split into micro-batches (gradient accumulation).
+
+Shared by every algorithm: the loss function decides what is computed, this decides how
+gradients are accumulated, clipped, checked for NaN/inf and applied.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from hybridrl.train.optim import grads_are_finite
+
+# loss_fn(micro_batch) -> (loss already normalised by the whole mini-batch, metrics)
+LossFn = Callable[[Any], tuple[torch.Tensor, dict[str, Any]]]
+
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    skipped: bool  # True when the gradients held NaN/inf and the update was not applied
+    # Keys ending in "loss" are shares of the mini-batch loss and are summed over micro-batches;
+    # keys ending in "/max" are maxima; every other metric (fractions, means) is averaged.
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Raised after too many consecutive updates had NaN/inf gradients."""
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Iterable[Any],
+    loss_fn: LossFn,
+    *,
+    grad_clip: float,
+) -> StepResult:
+    """Accumulates gradients over the micro-batches and applies one update unless they are not finite."""
+    optimizer.zero_grad(set_to_none=True)
+    sums: dict[str, float] = defaultdict(float)
+    count = 0
+    for micro in micro_batches:
+        loss, metrics = loss_fn(micro)
+        loss.backward()
+        for k, v in metrics.items():
+            sums[k] = max(sums.get(k, float("-inf")), float(v)) if k.endswith("/max") else sums[k] + float(v)
+        count += 1
+    params = [p for p in model.parameters() if p.requires_grad]
+    finite = grads_are_finite(model)
+    if finite:
+        max_norm = grad_clip if grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        finite = bool(torch.isfinite(torch.tensor(grad_norm)))
+    else:
+        grad_norm = float("nan")
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    metrics = {k: (v if k.endswith(("loss", "/max")) else v / max(count, 1)) for k, v in sums.items()}
+    return StepResult(grad_norm=grad_norm, skipped=not finite, metrics=metrics)
+
+
+def mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:
+    """Mean of each key over the records that have it ("/max" keys: the maximum)."""
+    sums: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for r in records:
+        for k, v in r.items():
+            sums[k] = max(sums.get(k, float("-inf")), v) if k.endswith("/max") else sums[k] + v
+            counts[k] += 1
+    return {k: (v if k.endswith("/max") else v / counts[k]) for k, v in sums.items()}
