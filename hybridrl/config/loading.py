@@ -59,7 +59,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError(f"override {item!r} has no key before '='")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = yaml.safe_load(text) if text.strip() else ""  # write key=null for None
     except yaml.YAMLError:
         value = text
     return key, value
@@ -179,6 +179,8 @@ def coerce(value: Any, hint: Any, key: str) -> Any:
                 pass
         raise ConfigError(f"{key} must be a number, got {value!r}")
     if hint is str:
+        if isinstance(value, bool):  # YAML 1.1 reads unquoted off/on/no/yes as booleans
+            return "on" if value else "off"
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -46,6 +46,8 @@ def validate_config(cfg: Config, *, require_paths: bool = True) -> None:
     """Raises ConfigError naming the fix. `require_paths=False` for the Python API, where the
     model and dataset may be passed as objects rather than paths."""
     spec = algorithm_spec(cfg.algorithm.name)
+    if cfg.trainer.resume == "on":
+        cfg.trainer.resume = "auto"
     _check_choice("model.dtype", cfg.model.dtype, ("auto", "float32", "bfloat16", "float16"))
     _check_choice("data.on_bad_row", cfg.data.on_bad_row, ("error", "drop"))
     _check_choice("rollout.backend", cfg.rollout.backend, ("auto", "native", "hf"))

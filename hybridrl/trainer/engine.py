@@ -297,8 +297,18 @@ def as_reward_engine(reward_fn: Any, cfg: Config):
     if callable(reward_fn):
         return RewardEngine.from_fn(reward_fn, timeout_s=cfg.reward.timeout_s)
     if reward_fn is None:
-        return RewardEngine.from_spec(cfg.reward.functions, timeout_s=cfg.reward.timeout_s)
+        return reward_from_config(cfg)
     raise TypeError(f"reward_fn must be a RewardEngine or a function fn(prompts, responses, **columns) -> list[float], got {type(reward_fn).__name__}")
+
+
+def reward_from_config(cfg: Config):
+    """The reward section as an engine; reward.timeout_s is the default for every entry."""
+    from hybridrl.reward import RewardEngine
+
+    entries = [dict(e) for e in cfg.reward.functions]
+    if cfg.reward.timeout_s is not None:
+        entries = [{"timeout_s": cfg.reward.timeout_s, **e} for e in entries]
+    return RewardEngine.from_spec(entries)
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,0 +1,69 @@
+"""What `hybridrl train` and `hybridrl make-data` do, through the public API only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from hybridrl.config import Config, algorithm_spec, load_config
+
+
+def build_trainer(cfg: Config):
+    """The engines a config describes: rollout (with the policy), reward, trainer."""
+    import torch
+
+    from hybridrl import RolloutEngine, TrainerEngine
+    from hybridrl.models import resolve_device
+    from hybridrl.trainer.engine import reward_from_config
+
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    m, r = cfg.model, cfg.rollout
+    actor = RolloutEngine.from_hf(
+        m.path, backend=r.backend, dtype=m.dtype, device=str(resolve_device(cfg.train.device)),
+        attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code, chat_template=m.chat_template,
+        **({"kv_cache_fraction": r.kv_cache_fraction} if r.backend == "native" else {}),
+    )
+    reward = None
+    if algorithm_spec(cfg.algorithm.name).kind == "rl":
+        reward = reward_from_config(cfg)
+    return TrainerEngine(actor=actor, reward_fn=reward, config=cfg)
+
+
+def train(config_path: str, overrides: Sequence[str]) -> int:
+    cfg = load_config(config_path, overrides)
+    trainer = build_trainer(cfg)
+    summary = trainer.fit()
+    print(json.dumps(summary, indent=1, default=str))
+    return 0
+
+
+def make_data(task: str, out_dir: str, *, num_train: int, num_test: int, seed: int) -> int:
+    from hybridrl.data import (
+        arith_sft_rows,
+        make_arith_preference_rows,
+        make_arith_rows,
+        make_arith_unpaired_rows,
+        write_arith_dataset,
+    )
+    from hybridrl.models.tiny import EOS_TOKEN
+
+    if task == "arith":
+        paths = write_arith_dataset(out_dir, num_train=num_train, num_test=num_test, seed=seed)
+    else:
+        transform = {
+            "arith-preference": lambda rows: make_arith_preference_rows(rows, seed=seed),
+            "arith-unpaired": lambda rows: make_arith_unpaired_rows(rows, seed=seed),
+            "arith-sft": lambda rows: arith_sft_rows(rows, EOS_TOKEN),
+        }[task]
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = {}
+        for split, n in (("train", num_train), ("test", num_test)):
+            rows = transform(make_arith_rows(n, seed=seed, split=split))
+            paths[split] = out / f"{split}.jsonl"
+            paths[split].write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    for split, path in paths.items():
+        print(f"{split}: {path}")
+    return 0

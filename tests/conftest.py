@@ -1,0 +1,69 @@
+"""Shared fixtures: the shipped tiny model, the arithmetic data, small fast configs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_MODEL = REPO / "hybridrl" / "assets" / "tiny-arith"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    return TINY_MODEL
+
+
+@pytest.fixture(scope="session")
+def arith_data(tmp_path_factory) -> dict[str, Path]:
+    from hybridrl.data import write_arith_dataset
+
+    out = tmp_path_factory.mktemp("arith")
+    return write_arith_dataset(out, num_train=2000, num_test=200, seed=0)
+
+
+def small_config(tmp_path: Path, arith_data, **overrides):
+    """A fast GRPO config on the tiny model; override with dotted keys, e.g. {"train.lr": 1e-4}."""
+    from hybridrl.config import load_config
+
+    base = {
+        "model.path": str(TINY_MODEL),
+        "data.train_path": str(arith_data["train"]),
+        "data.eval_path": str(arith_data["test"]),
+        "data.max_prompt_length": 16,
+        "rollout.backend": "hf",
+        "rollout.n": 4,
+        "rollout.max_tokens": 6,
+        "train.batch_size": 32,
+        "train.micro_batch_size": 16,
+        "train.total_steps": 4,
+        "train.lr": 1e-4,
+        "trainer.output_dir": str(tmp_path / "run"),
+        "trainer.save_every": 2,
+        "trainer.progress": False,
+        "trainer.eval_samples": 50,
+        "algorithm.kl_coef": 0.001,
+    }
+    base.update(overrides)
+    return load_config(None, [f"{k}={v}" for k, v in base.items()])
+
+
+import transformers  # noqa: E402
+
+transformers.utils.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
