@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.25, help="stop once held-out greedy accuracy reaches this")
     ap.add_argument("--max-steps", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=3e-3, help="SFT learning rate")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
@@ -49,7 +50,7 @@ def main() -> None:
     cfg.train.total_steps = args.max_steps
     cfg.train.batch_size = 64
     cfg.train.micro_batch_size = 64
-    cfg.train.lr = 3e-3
+    cfg.train.lr = args.lr
     cfg.train.warmup_steps = 50
     cfg.train.seed = args.seed
     cfg.trainer.save_every = 0
