@@ -34,7 +34,7 @@ from hybridrl.train.optim import build_optimizer, build_scheduler
 from hybridrl.train.policy import PolicyTrainer
 from hybridrl.train.update import NonFiniteLossError
 from hybridrl.train.value import ValueTrainer
-from hybridrl.trainer.evaluation import evaluate
+from hybridrl.trainer.evaluation import evaluate, evaluate_offline
 from hybridrl.trainer.offline_step import offline_step
 from hybridrl.trainer.rl_step import rl_step
 
@@ -132,7 +132,9 @@ class TrainerEngine:
         source = dataset if dataset is not None else cfg.data.train_path
         train_data = self._prompts(source) if rl else self.offline_algorithm.load(source)
         eval_source = eval_dataset if eval_dataset is not None else cfg.data.eval_path
-        eval_data = self._prompts(eval_source) if eval_source and rl else None
+        eval_data = None
+        if eval_source:
+            eval_data = self._prompts(eval_source) if rl else self.offline_algorithm.load(eval_source)
         per_step = cfg.train.batch_size // cfg.rollout.n if rl else cfg.train.batch_size
         if per_step > len(train_data):
             raise ConfigError(
@@ -204,7 +206,9 @@ class TrainerEngine:
             )
 
     def evaluate(self, eval_data) -> dict[str, float]:
-        return evaluate(self, eval_data)
+        if self.spec.kind == "rl":
+            return evaluate(self, eval_data)
+        return evaluate_offline(self, eval_data)
 
     def _prompts(self, source):
         if hasattr(source, "examples") and hasattr(source, "source_name"):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import TYPE_CHECKING
+
+import torch
 
 if TYPE_CHECKING:
     from hybridrl.trainer.engine import TrainerEngine
@@ -27,3 +30,26 @@ def evaluate(t: "TrainerEngine", eval_data) -> dict[str, float]:
         "accuracy": sum(1.0 for s in scores if s >= 1.0) / len(scores),
         "response_length/mean": sum(len(s.response_ids) for s in samples) / len(samples),
     }
+
+
+@torch.no_grad()
+def evaluate_offline(t: "TrainerEngine", examples: list) -> dict[str, float]:
+    """The offline algorithm's own metrics (e.g. DPO reward accuracy) over held-out examples,
+    without updating anything; keys lose their algorithm prefix ("dpo/reward_accuracy" ->
+    "reward_accuracy") and loss shares are summed into the held-out loss."""
+    algo = t.offline_algorithm
+    examples = examples[: t.config.trainer.eval_samples]
+    norm = algo.normaliser(examples)
+    sums: dict[str, float] = defaultdict(float)
+    weights: dict[str, float] = defaultdict(float)
+    for micro in algo.micro_batches(examples, t.config.train.micro_batch_size):
+        _, metrics = algo.loss(t.model, t.ref_model, micro, norm, t.device)
+        for key, value in metrics.items():
+            name = key.split("/", 1)[1]
+            if key.endswith("loss"):
+                sums[name] += value
+                weights[name] = 1.0
+            else:
+                sums[name] += value * len(micro)
+                weights[name] += len(micro)
+    return {k: sums[k] / weights[k] for k in sums}
