@@ -1,0 +1,296 @@
+"""`NativeBackend`: hybridrl's own generation engine (the `native` rollout backend).
+
+The loop of one generate call, top to bottom:
+    queue every prompt group -> [admit groups that fit (slots, KV blocks, token budget)
+    -> prefill them, sample each sample's first token, fork the n samples onto the shared prompt
+    blocks -> run decode steps on the device (CUDA graphs) until a row may have finished
+    -> collect finished rows, free their blocks, stream them to on_finished, compact] -> repeat.
+The weights are the HF module's own tensors (no copy); the KV cache lives between wake() and
+sleep().
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..types import GeneratedSequence, GenerationRequest, OnFinished, order_sequences
+from .arch import DecoderWeights, supports
+from .cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
+from .fused import FusedWeights
+from .kv_cache import PagedKVCache
+from .model import NativeDecoder
+from .ops_torch import TorchOps
+from .sampling import SamplingParams, row_keys_from_seeds
+from .scheduler import PromptGroup, Scheduler, blocks_for
+from .state import DecodeState
+
+MAX_STOP_IDS = 32
+
+
+class NativeBackend:
+    """Paged-KV, continuously batched generation over a HF Llama / Qwen2 / Qwen3 / Mistral model."""
+
+    name = "native"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer=None,  # unused: the facade tokenises; kept for the backend constructor signature
+        *,
+        kv_cache_fraction: float = 0.3,  # of free GPU memory at wake(); ignored on CPU
+        block_size: int = 16,  # tokens per KV block
+        max_batch_tokens: int = 16384,  # padded prompt tokens per prefill
+        max_num_seqs: int = 512,  # sequences decoded at once
+        cuda_graphs: bool = True,
+        sync_every: int = 16,  # decode steps between host checks when stop tokens can end rows
+        num_kv_blocks: int | None = None,  # fixed cache size (overrides kv_cache_fraction)
+        fuse_weights: bool | None = None,  # q|k|v, gate|up copies for decode (fused.py); default: on GPU
+    ):
+        if not 0.0 < kv_cache_fraction < 1.0:
+            raise ValueError(f"kv_cache_fraction ({kv_cache_fraction}) must be in (0, 1)")
+        self.weights = DecoderWeights(model)
+        self.device = self.weights.device
+        self.on_cuda = self.device.type == "cuda"
+        if self.on_cuda:
+            from .ops_triton import TritonOps  # Triton is only needed (and present) on CUDA
+
+            ops = TritonOps()
+        else:
+            ops = TorchOps()
+        self.decoder = NativeDecoder(self.weights, ops)
+        self.kv_cache_fraction = kv_cache_fraction
+        self.block_size = block_size
+        self.max_batch_tokens = max_batch_tokens
+        buckets = [b for b in DEFAULT_BUCKETS if b < max_num_seqs] + [max_num_seqs]
+        self.max_slots = max_num_seqs
+        self.use_graphs = cuda_graphs and self.on_cuda
+        self.sync_every = sync_every
+        self.num_kv_blocks = num_kv_blocks
+        self.fuse_weights = self.on_cuda if fuse_weights is None else fuse_weights
+        self.cache: PagedKVCache | None = None
+        self.state: DecodeState | None = None
+        self.graphs = DecodeGraphs(self._graph_step, self._snapshot, self._restore, buckets)
+        self._graph_key: tuple | None = None  # addresses the captured graphs were built on
+
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        return supports(model)
+
+    # ---- memory phases -------------------------------------------------------------------------
+
+    def wake(self) -> None:
+        """Allocates the KV cache (kv_cache_fraction of free GPU memory; on CPU, lazily per request)."""
+        if self.cache is None and self.on_cuda:
+            self._allocate_cache(self._gpu_num_blocks())
+
+    def sleep(self) -> None:
+        """Frees the KV cache, decode buffers, fused weight copies, graphs and rope tables."""
+        self.graphs.clear()
+        self.cache = self.state = None
+        self.decoder.cos = self.decoder.sin = self.decoder.fused = None
+        self._graph_key = None
+        if self.on_cuda:
+            # cuBLAS workspaces live in PyTorch's allocator (one per stream, ours included); the
+            # next matmul re-creates the ones it needs.
+            torch._C._cuda_clearCublasWorkspaces()
+            torch.cuda.empty_cache()
+
+    def _gpu_num_blocks(self) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        free, _ = torch.cuda.mem_get_info(self.device)
+        s = self.weights.spec
+        per_block = PagedKVCache.bytes_per_block(
+            s.num_layers, s.num_kv_heads, self.block_size, s.head_dim, self.weights.dtype
+        )
+        return int(self.kv_cache_fraction * free) // per_block
+
+    def _allocate_cache(self, num_blocks: int) -> None:
+        s = self.weights.spec
+        self.graphs.clear()
+        self.cache = None  # free the old one first
+        self.cache = PagedKVCache(
+            s.num_layers, num_blocks, s.num_kv_heads, self.block_size, s.head_dim,
+            self.weights.dtype, self.device,
+        )  # fmt: skip
+
+    # ---- generate ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, request: GenerationRequest, on_finished: OnFinished | None = None) -> list[GeneratedSequence]:
+        max_tokens = self._check(request)
+        params = SamplingParams(request.temperature, request.top_p, request.top_k)
+        n, bs = request.n, self.block_size
+        prompt_lens = [len(p) for p in request.prompt_ids]
+        max_context = max(lp + m for lp, m in zip(prompt_lens, max_tokens))
+        self._prepare(request, max_tokens, max_context)
+        base_seed = request.seed if request.seed is not None else int(torch.randint(0, 2**62, ()).item())
+
+        sched = Scheduler(self.cache.allocator, bs, self.max_slots, self.max_batch_tokens)
+        for i, ids in enumerate(request.prompt_ids):
+            sched.add(PromptGroup(i, list(ids), max_tokens[i], n))
+        stop_set = set(request.stop_token_ids)
+        results: list[GeneratedSequence] = []
+        remaining: dict[int, int] = {}  # slot -> tokens left before max_tokens, as of the last check
+        while sched.waiting or sched.running:
+            groups = sched.admit()
+            if groups:
+                self._prefill(groups, sched, params, base_seed, n)
+            self._collect(sched, stop_set, results, on_finished, remaining)
+            if not sched.running:
+                assert groups, "a waiting prompt fits an empty cache (checked by Scheduler.add)"
+                continue
+            # Run until the first row can hit max_tokens; with stop tokens, check every few steps.
+            num_steps = min(remaining.values())
+            if stop_set:
+                num_steps = min(num_steps, self.sync_every)
+            self._decode(sched.batch_rows, params, num_steps)
+            self._collect(sched, stop_set, results, on_finished, remaining)
+        assert self.cache.allocator.num_free == self.cache.num_blocks - 1, "KV blocks leaked"
+        return order_sequences(results)
+
+    def _check(self, request: GenerationRequest) -> list[int]:
+        num = len(request.prompt_ids)
+        max_tokens = list(request.max_tokens)
+        if len(max_tokens) == 1 and num > 1:
+            max_tokens = max_tokens * num
+        if len(max_tokens) != num:
+            raise ValueError(f"max_tokens has {len(max_tokens)} entries for {num} prompts; give one per prompt")
+        if any(m < 1 for m in max_tokens):
+            raise ValueError("every max_tokens must be >= 1")
+        if any(len(p) == 0 for p in request.prompt_ids):
+            raise ValueError("empty prompt: every prompt needs at least one token")
+        if request.n < 1 or request.n > self.max_slots:
+            raise ValueError(f"n ({request.n}) must be in [1, max_num_seqs={self.max_slots}]")
+        if request.temperature < 0:
+            raise ValueError(f"temperature ({request.temperature}) must be >= 0")
+        if len(request.stop_token_ids) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} stop tokens are supported")
+        window = self.weights.spec.sliding_window
+        longest = max(len(p) + m for p, m in zip(request.prompt_ids, max_tokens))
+        if window is not None and longest > window:
+            raise ValueError(
+                f"prompt + max_tokens ({longest}) exceeds the model's sliding window ({window}), "
+                "which the native backend does not implement; use backend='hf'"
+            )
+        return max_tokens
+
+    def _prepare(self, request: GenerationRequest, max_tokens: list[int], max_context: int) -> None:
+        """Allocates what this request needs and drops graphs whose baked addresses moved."""
+        bs, n = self.block_size, request.n
+        if self.on_cuda:
+            self.wake()
+        else:  # CPU: size the cache from the request (all groups at once, no waiting)
+            need = 1 + sum(
+                shared + own * n
+                for shared, own in (blocks_for(len(p), m, n, bs) for p, m in zip(request.prompt_ids, max_tokens))
+            )
+            if self.cache is None or self.cache.num_blocks < need:
+                self._allocate_cache(need)
+        max_blocks = -(-max_context // bs)
+        if self.state is None or not self.state.fits(self.max_slots, max_blocks, max(max_tokens), MAX_STOP_IDS):
+            old = self.state
+            self.state = None
+            self.state = DecodeState(
+                self.max_slots, max(max_blocks, old.max_blocks_per_seq if old else 0),
+                max(max(max_tokens), old.max_gen if old else 0), MAX_STOP_IDS, self.device,
+            )  # fmt: skip
+        self.state.set_stop_ids(list(request.stop_token_ids))
+        self.decoder.prepare(max_context)
+        if self.fuse_weights:
+            layers = self.weights.layers()
+            if self.decoder.fused is None:
+                self.decoder.fused = FusedWeights(layers)
+            self.decoder.fused.refresh(layers)  # this call sees the trainer's latest weights
+        key = (
+            id(self.cache), id(self.state), id(self.decoder.fused), self.decoder.cos.data_ptr(),
+            tuple(t.data_ptr() for t in self.weights.tensors()),
+        )  # fmt: skip
+        if key != self._graph_key:
+            self.graphs.clear()
+            self._graph_key = key
+
+    def _prefill(self, groups: list[PromptGroup], sched: Scheduler, params: SamplingParams, base_seed: int, n: int) -> None:
+        bs, dev = self.block_size, self.device
+        lengths = [len(g.prompt_ids) for g in groups]
+        width = max(lengths)
+        ids = torch.zeros(len(groups), width, dtype=torch.int64)
+        slots = torch.zeros(len(groups), width, dtype=torch.int64)
+        for r, g in enumerate(groups):
+            table = torch.tensor(g.block_table(0), dtype=torch.int64)
+            pos = torch.arange(lengths[r])
+            ids[r, : lengths[r]] = torch.tensor(g.prompt_ids)
+            slots[r, : lengths[r]] = table[pos // bs] * bs + pos % bs
+        logits = self.decoder.prefill(ids.to(dev), torch.tensor(lengths, device=dev), slots.to(dev), self.cache)
+        # Copy-on-write: the prompt's partial last block was written into sample 0's first own
+        # block; every other sample gets its own copy before it appends to it.
+        src = [g.sample_blocks[0][0] for g in groups if len(g.prompt_ids) % bs for _ in range(1, n)]
+        dst = [g.sample_blocks[j][0] for g in groups if len(g.prompt_ids) % bs for j in range(1, n)]
+        self.cache.copy_blocks(src, dst)
+
+        seqs = [seq for g in groups for seq in sched.start(g)]
+        seeds = torch.tensor([base_seed + s.group.prompt_index * n + s.sample_index for s in seqs], device=dev)
+        row_keys = row_keys_from_seeds(seeds)
+        first_tokens, first_logprobs = self.decoder.ops.sample(
+            logits.repeat_interleave(n, dim=0), row_keys, torch.zeros_like(seeds), params
+        )
+        self.state.start_rows(
+            [s.slot for s in seqs], first_tokens, first_logprobs,
+            [len(s.group.prompt_ids) for s in seqs], [s.group.block_table(s.sample_index) for s in seqs],
+            row_keys, [s.group.max_tokens for s in seqs],
+        )  # fmt: skip
+
+    def _decode(self, batch: int, params: SamplingParams, num_steps: int) -> None:
+        if self.use_graphs:
+            self.graphs.run(batch, params, num_steps)
+        else:
+            for _ in range(num_steps):
+                self.state.step(batch, self.decoder, self.cache, params)
+
+    def _collect(self, sched: Scheduler, stop_set: set[int], results: list, on_finished, remaining: dict) -> None:
+        """Retires finished rows (one host sync), streams them out, and compacts the batch."""
+        rows = sched.batch_rows
+        if rows == 0:
+            return
+        state = self.state
+        done = state.done[:rows].cpu()
+        steps = state.steps[:rows].cpu()
+        finished = sorted(s for s in sched.running if done[s])
+        if finished:
+            idx = torch.tensor(finished, device=self.device)
+            tokens, logprobs = state.out_tokens[idx].cpu(), state.out_logprobs[idx].cpu()
+            for r, slot in enumerate(finished):
+                seq = sched.finish(slot)
+                remaining.pop(slot, None)
+                length = int(steps[slot])
+                response = tokens[r, :length].tolist()
+                out = GeneratedSequence(
+                    prompt_index=seq.group.prompt_index,
+                    sample_index=seq.sample_index,
+                    response_ids=response,
+                    response_logprobs=logprobs[r, :length].tolist(),
+                    finish_reason="stop" if response[-1] in stop_set else "length",
+                )
+                results.append(out)
+                if on_finished is not None:
+                    on_finished(out)
+            state.reset_rows(finished)
+        for slot, seq in sched.running.items():
+            remaining[slot] = seq.group.max_tokens - int(steps[slot])
+        src, dst = sched.compaction()
+        if src:
+            state.move_rows(src, dst)
+            state.reset_rows(src)
+            for s, d in zip(src, dst):
+                remaining[d] = remaining.pop(s)
+
+    # ---- CUDA graph hooks ----------------------------------------------------------------------
+
+    def _graph_step(self, batch: int, params: SamplingParams) -> None:
+        self.state.step(batch, self.decoder, self.cache, params)
+
+    def _snapshot(self):
+        return self.state.snapshot()
+
+    def _restore(self, saved) -> None:
+        self.state.restore(saved)

@@ -1,0 +1,79 @@
+"""The paged KV cache: fixed-size blocks of token slots and a reference-counted block allocator.
+
+Layout per layer: K and V are [num_blocks, num_kv_heads, block_size, head_dim], so one (block,
+head) is a contiguous block_size x head_dim tile that the decode kernel loads in one piece.
+Block 0 is never handed out: padded rows of a decode batch point at it and write there harmlessly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class BlockAllocator:
+    """Free list of block ids with reference counts (a prompt's full blocks are shared by its n
+    samples and return to the free list when the last sample releases them)."""
+
+    def __init__(self, num_blocks: int):
+        assert num_blocks >= 2, "block 0 is the scratch block; at least one more is needed"
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, 0, -1))  # pop() hands out low ids first
+        self._refs = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        assert count <= len(self._free), "the scheduler reserves blocks before allocating"
+        blocks = [self._free.pop() for _ in range(count)]
+        for b in blocks:
+            self._refs[b] = 1
+        return blocks
+
+    def share(self, blocks: list[int], extra_refs: int) -> None:
+        for b in blocks:
+            self._refs[b] += extra_refs
+
+    def release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self._refs[b] -= 1
+            assert self._refs[b] >= 0, f"block {b} released twice"
+            if self._refs[b] == 0:
+                self._free.append(b)
+
+
+class PagedKVCache:
+    """K and V tensors for every layer, [L, num_blocks, Hkv, block_size, D] each."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        num_kv_heads: int,
+        block_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.allocator = BlockAllocator(num_blocks)
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return 2 * num_layers * num_kv_heads * block_size * head_dim * dtype.itemsize
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy-on-write at fork: sample j gets its own copy of the prompt's last partial block."""
+        if not src:
+            return
+        s = torch.tensor(src, device=self.k.device)
+        d = torch.tensor(dst, device=self.k.device)
+        self.k[:, d] = self.k[:, s]
+        self.v[:, d] = self.v[:, s]

@@ -1,0 +1,107 @@
+"""The decoder forward over the paged KV cache: prefill (whole prompts) and decode (one token per
+running sequence). Weights are read from the HF module on every call (arch.DecoderWeights)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .arch import DecoderWeights
+from .fused import FusedWeights
+from .kv_cache import PagedKVCache
+from .ops_torch import apply_rope, rms_norm, write_kv
+
+
+class NativeDecoder:
+    """Runs a supported HF decoder on the paged cache with a given set of decode ops."""
+
+    def __init__(self, weights: DecoderWeights, ops):
+        self.weights = weights
+        self.spec = weights.spec
+        self.ops = ops  # TorchOps (CPU) or TritonOps (CUDA)
+        self.cos: torch.Tensor | None = None  # [P, D/2] fp32 rope tables
+        self.sin: torch.Tensor | None = None
+        self.fused: FusedWeights | None = None  # q|k|v and gate|up copies for decode (fused.py)
+
+    def prepare(self, max_positions: int) -> None:
+        """(Re)builds the rope tables when longer contexts are needed than seen so far."""
+        if self.cos is None or self.cos.shape[0] < max_positions:
+            self.cos, self.sin = self.weights.rope_tables(max_positions)
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        input_ids: torch.Tensor,  # [P, L] right-padded prompts
+        lengths: torch.Tensor,  # [P] int64
+        slots: torch.Tensor,  # [P, L] int64 cache slot of each token (ignored where padded)
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """Writes the prompts' K/V to the cache; returns fp32 logits of each last token [P, V].
+
+        Right padding needs no mask under causal attention: a real token only sees earlier
+        positions, which are all real; padded positions compute garbage nobody reads.
+        """
+        spec, w = self.spec, self.weights
+        num_prompts, length = input_ids.shape
+        d = spec.head_dim
+        valid = torch.arange(length, device=input_ids.device)[None] < lengths[:, None]  # [P, L]
+        valid_slots = slots[valid]
+        cos, sin = self.cos[:length][None, :, None], self.sin[:length][None, :, None]
+        x = F.embedding(input_ids, w.embed)  # [P, L, H]
+        for layer, lw in enumerate(w.layers()):
+            residual = x
+            h = rms_norm(x, lw.input_norm, spec.rms_eps)
+            q = F.linear(h, lw.q_w, lw.q_b).view(num_prompts, length, -1, d)
+            k = F.linear(h, lw.k_w, lw.k_b).view(num_prompts, length, -1, d)
+            v = F.linear(h, lw.v_w, lw.v_b).view(num_prompts, length, -1, d)
+            if lw.q_norm is not None:
+                q, k = rms_norm(q, lw.q_norm, spec.rms_eps), rms_norm(k, lw.k_norm, spec.rms_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            write_kv(cache.k[layer], cache.v[layer], k[valid], v[valid], valid_slots)
+            attn = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                is_causal=True, scale=spec.scaling, enable_gqa=True,
+            )  # fmt: skip
+            x = residual + F.linear(attn.transpose(1, 2).reshape(num_prompts, length, -1), lw.o_w, lw.o_b)
+            residual = x
+            h = rms_norm(x, lw.post_norm, spec.rms_eps)
+            x = residual + F.linear(F.silu(F.linear(h, lw.gate_w)) * F.linear(h, lw.up_w), lw.down_w)
+        last = x[torch.arange(num_prompts, device=x.device), lengths - 1]  # [P, H]
+        return F.linear(rms_norm(last, w.final_norm, spec.rms_eps), w.lm_head).float()
+
+    def decode(
+        self,
+        tokens: torch.Tensor,  # [B] int64
+        positions: torch.Tensor,  # [B] int64, position of `tokens`
+        block_tables: torch.Tensor,  # [B, MB] int32
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """One decode step for B sequences; returns logits [B, V] in the model dtype."""
+        spec, w, ops = self.spec, self.weights, self.ops
+        context_lens = positions + 1
+        x = F.embedding(tokens, w.embed)  # [B, H]
+        residual = None
+        fused = self.fused
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        for layer, lw in enumerate(w.layers()):
+            h, residual = ops.add_rms_norm(x, residual, lw.input_norm, spec.rms_eps)
+            if fused is not None:
+                q, k, v = F.linear(h, fused.qkv_w[layer], fused.qkv_b[layer]).split([q_size, kv_size, kv_size], -1)
+            else:
+                q, k, v = F.linear(h, lw.q_w, lw.q_b), F.linear(h, lw.k_w, lw.k_b), F.linear(h, lw.v_w, lw.v_b)
+            q = ops.qk_rope_write_kv(
+                q, k, v, positions, self.cos, self.sin, lw.q_norm, lw.k_norm, spec.rms_eps,
+                cache.k[layer], cache.v[layer], block_tables,
+            )  # fmt: skip
+            attn = ops.decode_attention(
+                q, cache.k[layer], cache.v[layer], block_tables, context_lens, spec.scaling
+            )
+            x = F.linear(attn, lw.o_w, lw.o_b)
+            h, residual = ops.add_rms_norm(x, residual, lw.post_norm, spec.rms_eps)
+            if fused is not None:
+                gate, up = F.linear(h, fused.gate_up_w[layer]).split([fused.inter, fused.inter], -1)
+            else:
+                gate, up = F.linear(h, lw.gate_w), F.linear(h, lw.up_w)
+            x = F.linear(ops.silu_mul(gate, up), lw.down_w)
+        h, _ = ops.add_rms_norm(x, residual, w.final_norm, spec.rms_eps)
+        return F.linear(h, w.lm_head)

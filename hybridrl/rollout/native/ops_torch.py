@@ -1,0 +1,107 @@
+"""The decode-step operations in plain PyTorch: the CPU path and the reference the Triton
+kernels are tested against. Numerics follow HF's modules (fp32 statistics, cast, then weight)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .sampling import SamplingParams, sample
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm: normalise in fp32, cast back, then scale (Zhang & Sennrich 2019)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (Su et al. 2021) in HF's rotate-half layout and HF's rounding: cos / sin
+    cast to x's dtype, each product and sum rounded to it (matching HF keeps bf16 log-probs
+    close to the trainer's). x [..., D], cos / sin broadcastable to [..., D/2] (HF's two halves
+    of the table are equal)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def write_kv(
+    k_cache: torch.Tensor,  # [num_blocks, Hkv, bs, D] (one layer)
+    v_cache: torch.Tensor,
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,
+    slots: torch.Tensor,  # [T] int64: block_id * block_size + offset
+) -> None:
+    bs = k_cache.shape[2]
+    blocks, offsets = slots // bs, slots % bs
+    k_cache[blocks, :, offsets] = k
+    v_cache[blocks, :, offsets] = v
+
+
+class TorchOps:
+    """Decode-step building blocks; every method takes one row per running sequence."""
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x if residual is None else residual + x
+        return rms_norm(residual, weight, eps), residual
+
+    def qk_rope_write_kv(
+        self,
+        q: torch.Tensor,  # [B, Hq * D]
+        k: torch.Tensor,  # [B, Hkv * D]
+        v: torch.Tensor,
+        positions: torch.Tensor,  # [B] int64
+        cos: torch.Tensor,  # [P, D/2] fp32
+        sin: torch.Tensor,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [B, MB] int32
+    ) -> torch.Tensor:
+        """Qwen3 q/k norm (if any), rotary on q and k, K/V into the cache; returns q [B, Hq, D]."""
+        batch, head_dim = q.shape[0], cos.shape[1] * 2
+        q, k, v = q.view(batch, -1, head_dim), k.view(batch, -1, head_dim), v.view(batch, -1, head_dim)
+        if q_norm is not None:
+            q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+        c, s = cos[positions][:, None], sin[positions][:, None]
+        q, k = apply_rope(q, c, s), apply_rope(k, c, s)
+        bs = k_cache.shape[2]
+        blocks = block_tables.gather(1, (positions // bs)[:, None])[:, 0].long()
+        write_kv(k_cache, v_cache, k, v, blocks * bs + positions % bs)
+        return q
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,  # [B, Hq, D]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [B, MB]
+        context_lens: torch.Tensor,  # [B]
+        scale: float,
+    ) -> torch.Tensor:
+        """One query per sequence against its paged context; returns [B, Hq * D]."""
+        batch, num_kv_heads, bs, head_dim = q.shape[0], k_cache.shape[1], k_cache.shape[2], q.shape[2]
+        num_blocks = block_tables.shape[1]
+        # Gather each sequence's blocks into [B, Hkv, MB * bs, D] (the CPU path's simplicity is
+        # worth the copy; the GPU kernel reads the blocks in place).
+        keys = k_cache[block_tables.long()].permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, -1, head_dim)
+        values = v_cache[block_tables.long()].permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, -1, head_dim)
+        valid = torch.arange(num_blocks * bs, device=q.device)[None] < context_lens[:, None]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None], keys, values, attn_mask=valid[:, None, None], scale=scale, enable_gqa=True
+        )
+        return out.reshape(batch, -1)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+    def sample(
+        self, logits: torch.Tensor, row_keys: torch.Tensor, steps: torch.Tensor, params: SamplingParams
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return sample(logits, row_keys, steps, params)

@@ -1,0 +1,42 @@
+"""The decode-step operations on CUDA: Triton kernels where PyTorch would launch many kernels,
+the PyTorch reference (ops_torch) for what has no kernel here (top-k / top-p sampling)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import triton_attention, triton_kernels, triton_sampling
+from .ops_torch import TorchOps
+from .sampling import SamplingParams
+
+
+class TritonOps(TorchOps):
+    """Same interface as TorchOps; every method is capturable in a CUDA graph."""
+
+    # Defaults measured on one H200 at W0.5B (bench/rollout.py --attn): tile 128, 4 warps, no split.
+    def __init__(self, attention_tile: int = 128, attention_warps: int = 4, attention_split: int = 0):
+        self.attention_tile = attention_tile  # tokens per inner-loop tile
+        self.attention_warps = attention_warps
+        self.attention_split = attention_split  # tokens per flash-decoding split (0: no split)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return triton_kernels.add_rms_norm(x, residual, weight, eps)
+
+    def qk_rope_write_kv(self, q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables):
+        return triton_kernels.qk_rope_write_kv(
+            q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables
+        )
+
+    def decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale):
+        return triton_attention.paged_decode_attention(
+            q, k_cache, v_cache, block_tables, context_lens, scale,
+            tile=self.attention_tile, num_warps=self.attention_warps, split_tokens=self.attention_split,
+        )  # fmt: skip
+
+    def silu_mul(self, gate, up):
+        return triton_kernels.silu_mul(gate, up)
+
+    def sample(self, logits: torch.Tensor, row_keys, steps, params: SamplingParams):
+        if params.filtered:
+            return super().sample(logits, row_keys, steps, params)
+        return triton_sampling.sample(logits, row_keys, steps, params)

@@ -1,0 +1,184 @@
+"""Paged decode attention in Triton: one query token per sequence against its cached context.
+
+One program per (sequence, KV head) serves the whole group of query heads that share the KV head
+(GQA), so each K/V tile is read once per group; the tile gathers TILE tokens through the block
+table and runs an online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Tokens per inner-loop tile; several cache blocks are gathered per tile so the loop is short.
+DEFAULT_TILE = 128
+
+
+@triton.jit
+def _attend_tile(
+    q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, ctx, start, m_i, l_i, acc, scale_log2,
+    HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax update with the TILE tokens from `start` (gathered via the table)."""
+    tok = start + tl.arange(0, TILE)
+    d = tl.arange(0, D)
+    t_mask = tok < ctx
+    block = tl.load(bt_ptr + row * bt_stride + tok // BS, mask=t_mask, other=0).to(tl.int64)
+    kv_off = ((block * HKV + kvh) * BS + tok % BS)[:, None] * D + d[None, :]
+    k = tl.load(k_ptr + kv_off, mask=t_mask[:, None], other=0.0)  # [TILE, D]
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(t_mask[None, :], s * scale_log2, float("-inf"))  # [GP, TILE], log2 units
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked tile leaves state as is
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_ptr + kv_off, mask=t_mask[:, None], other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, ctx_ptr, out_ptr, scale_log2,
+    MAX_CTX: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    ctx = tl.load(ctx_ptr + row)
+    g = tl.arange(0, GROUP_P)
+    g_mask = g < GROUP
+    d = tl.arange(0, D)
+    q_off = (row * HQ + kvh * GROUP + g)[:, None] * D + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=g_mask[:, None], other=0.0)  # [GP, D]
+
+    m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, D], tl.float32)
+    if DYNAMIC_LOOP:
+        for start in range(0, ctx, TILE):
+            m_i, l_i, acc = _attend_tile(
+                q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, ctx, start, m_i, l_i, acc, scale_log2,
+                HKV, D, BS, TILE, IEEE,
+            )  # fmt: skip
+    else:
+        # Triton's CPU interpreter cannot loop to a run-time bound: there, loop over the table's
+        # width (tiles past the context are fully masked and leave the softmax state unchanged).
+        for start in tl.static_range(0, MAX_CTX, TILE):
+            m_i, l_i, acc = _attend_tile(
+                q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, ctx, start, m_i, l_i, acc, scale_log2,
+                HKV, D, BS, TILE, IEEE,
+            )  # fmt: skip
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+@triton.jit
+def _paged_decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, ctx_ptr, acc_ptr, ml_ptr, scale_log2, NSPLIT,
+    SPLIT: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    TILE: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """Flash-decoding (Dao et al. 2023): program (row, kv head, split) attends to the tokens
+    [split * SPLIT, (split + 1) * SPLIT) and leaves an unnormalised partial for the merge."""
+    row = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + row)
+    lo = split * SPLIT
+    hi = tl.minimum(ctx, lo + SPLIT)
+    g = tl.arange(0, GROUP_P)
+    g_mask = g < GROUP
+    d = tl.arange(0, D)
+    head = row * HQ + kvh * GROUP + g  # [GP]
+    q = tl.load(q_ptr + head[:, None] * D + d[None, :], mask=g_mask[:, None], other=0.0)
+    m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, D], tl.float32)
+    if DYNAMIC_LOOP:
+        for start in range(lo, hi, TILE):
+            m_i, l_i, acc = _attend_tile(
+                q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, hi, start, m_i, l_i, acc, scale_log2,
+                HKV, D, BS, TILE, IEEE,
+            )  # fmt: skip
+    else:
+        for start in tl.static_range(0, SPLIT, TILE):
+            m_i, l_i, acc = _attend_tile(
+                q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, hi, lo + start, m_i, l_i, acc, scale_log2,
+                HKV, D, BS, TILE, IEEE,
+            )  # fmt: skip
+    part = head * NSPLIT + split  # [GP]
+    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=g_mask[:, None])
+    tl.store(ml_ptr + part * 2, m_i, mask=g_mask)
+    tl.store(ml_ptr + part * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(acc_ptr, ml_ptr, out_ptr, NSPLIT, NSPLIT_P: tl.constexpr, D: tl.constexpr):
+    head = tl.program_id(0).to(tl.int64)  # row * HQ + query head
+    sp = tl.arange(0, NSPLIT_P)
+    s_mask = sp < NSPLIT
+    d = tl.arange(0, D)
+    m = tl.load(ml_ptr + (head * NSPLIT + sp) * 2, mask=s_mask, other=float("-inf"))
+    l = tl.load(ml_ptr + (head * NSPLIT + sp) * 2 + 1, mask=s_mask, other=0.0)
+    acc = tl.load(acc_ptr + (head * NSPLIT + sp)[:, None] * D + d[None, :], mask=s_mask[:, None], other=0.0)
+    m_all = tl.max(m, axis=0)  # split 0 always holds a token, so this is finite
+    w = tl.exp2(m - m_all)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
+    tl.store(out_ptr + head * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, Hkv, bs, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, MB] int32
+    context_lens: torch.Tensor,  # [B] int64 (>= 1)
+    scale: float,
+    tile: int = DEFAULT_TILE,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    split_tokens: int = 0,  # > 0: flash-decoding over splits of this many tokens (a multiple of tile)
+) -> torch.Tensor:
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty(batch, num_heads * head_dim, dtype=q.dtype, device=q.device)
+    dynamic = os.environ.get("TRITON_INTERPRET") != "1"
+    max_ctx = block_tables.shape[1] * block_size
+    consts = dict(
+        HQ=num_heads, HKV=num_kv_heads, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)),
+        D=head_dim, BS=block_size, TILE=tile, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    scale_log2 = scale * 1.4426950408889634  # log2(e): the kernels use exp2
+    num_splits = triton.cdiv(max_ctx, split_tokens) if split_tokens > 0 else 1
+    if num_splits == 1:
+        _paged_decode_kernel[(batch, num_kv_heads)](
+            q, k_cache, v_cache, block_tables, block_tables.stride(0), context_lens, out, scale_log2,
+            MAX_CTX=0 if dynamic else max_ctx, DYNAMIC_LOOP=dynamic, **consts,
+        )  # fmt: skip
+        return out
+    assert split_tokens % tile == 0, "split_tokens must be a multiple of the tile"
+    acc = torch.empty(batch * num_heads * num_splits, head_dim, dtype=torch.float32, device=q.device)
+    ml = torch.empty(batch * num_heads * num_splits, 2, dtype=torch.float32, device=q.device)
+    _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, block_tables.stride(0), context_lens, acc, ml, scale_log2,
+        num_splits, SPLIT=split_tokens, DYNAMIC_LOOP=dynamic, **consts,
+    )  # fmt: skip
+    _merge_splits_kernel[(batch * num_heads,)](
+        acc, ml, out, num_splits, NSPLIT_P=triton.next_power_of_2(num_splits), D=head_dim, num_warps=1
+    )
+    return out

@@ -1,0 +1,155 @@
+"""Triton kernels for the decode step's small fused operations (GPU path).
+
+At W0.5B's size a decode step is bound by the number of kernels, not by bytes (BENCHMARK.md,
+calibration), so each kernel here replaces a chain of PyTorch ops: add + RMSNorm (7 -> 1),
+q/k norm + rotary + KV-cache write (~20 -> 1), SiLU * up (3 -> 1).
+Numerics follow HF's modules: fp32 statistics, round to the model dtype where HF rounds.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, H, eps,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x = x + tl.load(res_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        # The residual stream is rounded to the model dtype, as HF's `residual + hidden` is.
+        x = x.to(res_ptr.dtype.element_ty)
+        tl.store(res_ptr + row * H + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    var = tl.sum(x * x, axis=0) / H
+    normed = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * H + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual += x (in place; residual = x when None), returns (rms_norm(residual), residual)."""
+    rows, hidden = x.shape
+    out = torch.empty_like(x)
+    res = x if residual is None else residual
+    _add_rms_norm_kernel[(rows,)](
+        x, res, weight, out, hidden, eps,
+        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(hidden), num_warps=4,
+    )  # fmt: skip
+    return out, res
+
+
+@triton.jit
+def _rms_rope_heads(x1, x2, w_ptr, c, s, hd, hd_mask, eps, D: tl.constexpr, HALF: tl.constexpr,
+                    HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """Optional per-head RMSNorm (Qwen3), then rotate-half rotary, on halves [heads, D/2]."""
+    if HAS_NORM:
+        ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D
+        r = tl.rsqrt(ms + eps)[:, None]
+        w1 = tl.load(w_ptr + hd, mask=hd_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + hd, mask=hd_mask, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1 * r).to(DTYPE).to(tl.float32) * w1).to(DTYPE).to(tl.float32)
+        x2 = ((x2 * r).to(DTYPE).to(tl.float32) * w2).to(DTYPE).to(tl.float32)
+    # HF's rounding: cos / sin in the model dtype, each product and the sum rounded to it.
+    c = c.to(DTYPE).to(tl.float32)
+    s = s.to(DTYPE).to(tl.float32)
+    o1 = ((x1 * c).to(DTYPE).to(tl.float32) - (x2 * s).to(DTYPE).to(tl.float32)).to(DTYPE)
+    o2 = ((x2 * c).to(DTYPE).to(tl.float32) + (x1 * s).to(DTYPE).to(tl.float32)).to(DTYPE)
+    return o1, o2
+
+
+@triton.jit
+def _qk_rope_write_kv_kernel(
+    q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
+    q_out_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, bt_stride,
+    HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr,
+    D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, BS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    dtype = q_out_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + row)
+    hd = tl.arange(0, HALF_P)
+    hd_mask = hd < HALF
+    c = tl.load(cos_ptr + pos * HALF + hd, mask=hd_mask, other=0.0)[None, :]
+    s = tl.load(sin_ptr + pos * HALF + hd, mask=hd_mask, other=0.0)[None, :]
+
+    hq = tl.arange(0, HQ_P)
+    head_off = hq[:, None] * D + hd[None, :]
+    q_mask = (hq[:, None] < HQ) & hd_mask[None, :]
+    q1 = tl.load(q_ptr + row * q_stride + head_off, mask=q_mask, other=0.0).to(tl.float32)
+    q2 = tl.load(q_ptr + row * q_stride + head_off + HALF, mask=q_mask, other=0.0).to(tl.float32)
+    o1, o2 = _rms_rope_heads(q1, q2, qn_ptr, c, s, hd, hd_mask, eps, D, HALF, HAS_NORM, dtype)
+    tl.store(q_out_ptr + row * HQ * D + head_off, o1.to(dtype), mask=q_mask)
+    tl.store(q_out_ptr + row * HQ * D + head_off + HALF, o2.to(dtype), mask=q_mask)
+
+    hk = tl.arange(0, HKV_P)
+    kv_head_off = hk[:, None] * D + hd[None, :]
+    k_mask = (hk[:, None] < HKV) & hd_mask[None, :]
+    k1 = tl.load(k_ptr + row * k_stride + kv_head_off, mask=k_mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k_ptr + row * k_stride + kv_head_off + HALF, mask=k_mask, other=0.0).to(tl.float32)
+    o1, o2 = _rms_rope_heads(k1, k2, kn_ptr, c, s, hd, hd_mask, eps, D, HALF, HAS_NORM, dtype)
+    block = tl.load(bt_ptr + row * bt_stride + pos // BS).to(tl.int64)
+    c_off = ((block * HKV + hk[:, None]) * BS + pos % BS) * D + hd[None, :]
+    tl.store(k_cache_ptr + c_off, o1.to(dtype), mask=k_mask)
+    tl.store(k_cache_ptr + c_off + HALF, o2.to(dtype), mask=k_mask)
+    v1 = tl.load(v_ptr + row * v_stride + kv_head_off, mask=k_mask, other=0.0)
+    v2 = tl.load(v_ptr + row * v_stride + kv_head_off + HALF, mask=k_mask, other=0.0)
+    tl.store(v_cache_ptr + c_off, v1, mask=k_mask)
+    tl.store(v_cache_ptr + c_off + HALF, v2, mask=k_mask)
+
+
+def qk_rope_write_kv(
+    q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables
+) -> torch.Tensor:
+    """See TorchOps.qk_rope_write_kv; one program per sequence. q / k / v may be column slices of
+    one fused q|k|v output (rows strided, heads contiguous)."""
+    assert q.stride(1) == k.stride(1) == v.stride(1) == 1
+    batch = q.shape[0]
+    half = cos.shape[1]
+    head_dim = 2 * half
+    num_heads, num_kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    q_out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    has_norm = q_norm is not None
+    _qk_rope_write_kv_kernel[(batch,)](
+        q, k, v, q.stride(0), k.stride(0), v.stride(0), positions, cos, sin,
+        q_norm if has_norm else q, k_norm if has_norm else k, eps,
+        q_out, k_cache, v_cache, block_tables, block_tables.stride(0),
+        HQ=num_heads, HKV=num_kv_heads, HQ_P=triton.next_power_of_2(num_heads),
+        HKV_P=triton.next_power_of_2(num_kv_heads), D=head_dim, HALF=half,
+        HALF_P=triton.next_power_of_2(half), BS=k_cache.shape[2], HAS_NORM=has_norm, num_warps=4,
+    )  # fmt: skip
+    return q_out
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, g_stride, u_stride, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    g = tl.load(g_ptr + row * g_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * u_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    # HF rounds silu(g) to the model dtype before the product.
+    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for [B, I] inputs whose rows may be strided (halves of a fused gate|up)."""
+    assert gate.stride(1) == up.stride(1) == 1
+    rows, inter = gate.shape
+    out = torch.empty(rows, inter, dtype=gate.dtype, device=gate.device)
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
+        gate, up, out, gate.stride(0), up.stride(0), inter, BLOCK=block, num_warps=4
+    )
+    return out
