@@ -31,9 +31,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="hybridrl/assets/tiny-arith")
     ap.add_argument("--target", type=float, default=0.25, help="stop once held-out greedy accuracy reaches this")
-    ap.add_argument("--max-steps", type=int, default=3000)
+    ap.add_argument("--max-steps", type=int, default=6000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=3e-3, help="SFT learning rate")
+    ap.add_argument("--lr", type=float, default=1e-3, help="SFT learning rate")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)

@@ -24,20 +24,20 @@ def few_prompts(tmp_path_factory):
     "algorithm, extra",
     [
         ("grpo", {}),
-        ("ppo", {"train.mini_batch_size": 64, "train.micro_batch_size": 64, "train.critic_lr": 1e-3}),
+        ("ppo", {"train.mini_batch_size": 64, "train.micro_batch_size": 64, "train.critic_lr": 1e-3, "train.total_steps": 60}),
         ("rloo", {}),
     ],
 )
 def test_reward_rises(tmp_path, few_prompts, algorithm, extra):
     cfg = small_config(tmp_path, few_prompts, **{
         "algorithm.name": algorithm, "rollout.n": 8, "train.batch_size": 128, "train.micro_batch_size": 128,
-        "train.lr": 1e-3, "train.total_steps": 30, "trainer.save_every": 0, "algorithm.kl_coef": 0.0, **extra,
+        "train.lr": 5e-4, "train.total_steps": 40, "trainer.save_every": 0, "algorithm.kl_coef": 0.0, **extra,
     })
     trainer = build_trainer(cfg)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     trainer.fit()
     records = read_records(trainer.metrics.path)
-    assert [r["step"] for r in records] == list(range(1, 31))
+    assert [r["step"] for r in records] == list(range(1, cfg.train.total_steps + 1))
     first = sum(r["reward/mean"] for r in records[:5]) / 5
     last = sum(r["reward/mean"] for r in records[-5:]) / 5
     assert last > first + 0.2, f"{algorithm}: reward {first:.3f} -> {last:.3f}"
