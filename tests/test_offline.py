@@ -66,3 +66,15 @@ def test_dpo_resume_is_bit_exact(tmp_path, offline_data):
     drop = ("timing/", "perf/", "memory/")
     clean = lambda rs: [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rs]
     assert clean(read_records(straight.metrics.path)) == clean(read_records(resumed.metrics.path))
+
+
+def test_rpo_term_keeps_chosen_likelihood_up(tmp_path, offline_data):
+    plain = build_trainer(config(tmp_path / "a", offline_data, "dpo", **{"train.total_steps": 6}))
+    plain.fit()
+    rpo = build_trainer(config(tmp_path / "b", offline_data, "dpo", **{"train.total_steps": 6, "algorithm.rpo_alpha": 1.0}))
+    rpo.fit()
+    last_plain = read_records(plain.metrics.path)[-1]
+    last_rpo = read_records(rpo.metrics.path)[-1]
+    assert "dpo/nll_chosen" in last_rpo and "dpo/nll_chosen" not in last_plain
+    # The NLL term pulls the chosen answers' implicit reward above plain DPO's.
+    assert last_rpo["dpo/rewards/chosen"] > last_plain["dpo/rewards/chosen"]

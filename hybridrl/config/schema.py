@@ -82,6 +82,7 @@ class AlgorithmConfig:
     beta: float = 0.1  # DPO / KTO temperature
     dpo_loss: str = "sigmoid"  # "sigmoid", "ipo" or "robust"
     label_smoothing: float = 0.0  # conservative DPO: assumed label-noise probability
+    rpo_alpha: float = 0.0  # DPO: weight of an NLL term on the chosen responses (RPO); keeps their likelihood up
     desirable_weight: float = 1.0  # KTO weight of desirable examples
     undesirable_weight: float = 1.0  # KTO weight of undesirable examples
     rm_margin: float = 0.0  # reward model: margin added to the Bradley-Terry loss

@@ -106,8 +106,16 @@ class DPO(OfflineAlgorithm):
         a = self.config.algorithm
         loss, m = dpo_loss(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], beta=a.beta, loss_type=a.dpo_loss,
                            label_smoothing=a.label_smoothing)
+        metrics = {}
+        if a.rpo_alpha > 0:
+            # RPO (Pang et al. 2024, Eq. 6): add the chosen responses' per-token NLL, so DPO cannot
+            # lower the likelihood of the preferred answers while it widens the margin.
+            lengths = torch.tensor([len(ex.chosen_ids) for ex in micro], dtype=logps.dtype, device=logps.device)
+            nll = -(logps[:n] / lengths).mean()
+            loss = loss + a.rpo_alpha * nll
+            metrics["dpo/nll_chosen"] = float(nll.detach())
         share = n / norm["num_seqs"]  # dpo_loss is a mean over the micro-batch
-        return loss * share, {
+        return loss * share, metrics | {
             "dpo/loss": float(loss.detach()) * share,
             "dpo/rewards/chosen": float(m["rewards/chosen"]),
             "dpo/rewards/rejected": float(m["rewards/rejected"]),
