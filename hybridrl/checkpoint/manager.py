@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,8 @@ from typing import Any
 
 import torch
 import yaml
+
+from hybridrl import failpoints
 
 log = logging.getLogger("hybridrl.checkpoint")
 
@@ -90,6 +93,7 @@ class CheckpointManager:
     # ---- writing -------------------------------------------------------------------------
     def save(self, ckpt: CheckpointState) -> Path:
         """Writes the checkpoint atomically and prunes old ones; returns its directory."""
+        failpoints.reached("checkpoint")
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / self.step_dir_name(ckpt.step)
         tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
@@ -133,7 +137,7 @@ class CheckpointManager:
         steps = self.list_steps()
         for path in steps[: -self.keep_last] if self.keep_last > 0 else []:
             shutil.rmtree(path, ignore_errors=True)
-        for stale in self.root.glob(".tmp-step_*"):  # left by a crash mid-save
+        for stale in [*self.root.glob(".tmp-step_*"), *self.root.glob(".trash-step_*")]:  # left by a crash mid-save
             if not stale.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(stale, ignore_errors=True)
 
@@ -185,10 +189,19 @@ class CheckpointManager:
         if resume == "off":
             return None
         if resume == "auto":
-            return self.latest_intact()
+            intact = self.latest_intact()
+            if intact is None and self.list_steps():
+                raise CheckpointError(
+                    f"{self.root} holds checkpoints but none is intact (see the warnings above), so the run cannot resume. "
+                    "Move the damaged directories away and run again, or set trainer.resume=off to start over"
+                )
+            return intact
         path = Path(resume)
         if path.is_dir() and (path / LATEST).is_file():  # a checkpoints root was given
-            return CheckpointManager(path).latest_intact()
+            intact = CheckpointManager(path).latest_intact()
+            if intact is None:
+                raise CheckpointError(f"trainer.resume={resume}: no intact checkpoint there (see the warnings above); pick another or use trainer.resume=off")
+            return intact
         if not path.is_dir():
             raise CheckpointError(f"trainer.resume={resume}: no such checkpoint directory; use auto, off, or a path like {self.root}/step_000010")
         problem = self.verify(path)
@@ -198,7 +211,12 @@ class CheckpointManager:
 
     @staticmethod
     def load_tensors(path: Path, name: str) -> dict:
-        return torch.load(path / f"{name}.pt", map_location="cpu", weights_only=True)
+        # weights_only: a checkpoint is data; a pickle that would run code is refused, not run.
+        try:
+            return torch.load(path / f"{name}.pt", map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(f"{path / f'{name}.pt'} holds more than tensors and plain data, so it is not loaded "
+                                  f"(weights_only=True): {str(e).splitlines()[0]}. Resume from a checkpoint hybridrl wrote") from None
 
     @staticmethod
     def load_state(path: Path) -> dict[str, Any]:
@@ -219,7 +237,14 @@ def load_model_weights(model: torch.nn.Module, model_dir: Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shapes differ: another model size
+        first = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), str(e).splitlines()[0])
+        raise CheckpointError(
+            f"weights in {model_dir} do not fit the model ({first}). The checkpoint was written for another model; "
+            "check model.path, or set trainer.resume=off to start over"
+        ) from None
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     missing = [k for k in missing if k not in tied and not (k.endswith("lm_head.weight") and model.config.tie_word_embeddings)]
     if missing or unexpected:

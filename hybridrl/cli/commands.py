@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -20,6 +22,12 @@ def build_trainer(cfg: Config):
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     m, r = cfg.model, cfg.rollout
+    if cfg.algorithm.name == "rm":  # a reward model is a sequence classifier started from model.path, not a generator
+        from hybridrl.reward.model import TrainableRewardModel
+
+        actor = TrainableRewardModel.from_hf(m.path, dtype=m.dtype, device=str(resolve_device(cfg.train.device)),
+                                             trust_remote_code=m.trust_remote_code, chat_template=m.chat_template)
+        return TrainerEngine(actor=actor, config=cfg)
     actor = RolloutEngine.from_hf(
         m.path, backend=r.backend, dtype=m.dtype, device=str(resolve_device(cfg.train.device)),
         attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code, chat_template=m.chat_template,
@@ -36,7 +44,16 @@ def train(config_path: str, overrides: Sequence[str]) -> int:
     trainer = build_trainer(cfg)
     summary = trainer.fit()
     print(json.dumps(summary, indent=1, default=str))
+    if summary.get("preempted"):  # SIGTERM / SIGINT: a checkpoint was written, exit 0 so schedulers requeue cleanly
+        print(f"stopped by {summary['preempted']} at step {summary['steps']} (checkpoint: {summary['checkpoint'] or 'none yet'}); "
+              f"to resume, run: {resume_command(config_path, overrides, cfg.trainer.resume)}", file=sys.stderr)
     return 0
+
+
+def resume_command(config_path: str, overrides: Sequence[str], resume: str) -> str:
+    """The same `hybridrl train` command, with trainer.resume=auto so it picks up the latest checkpoint."""
+    kept = [shlex.quote(o) for o in overrides if not o.strip().startswith("trainer.resume=")]
+    return " ".join(["hybridrl", "train", shlex.quote(config_path), *kept, *([] if resume == "auto" else ["trainer.resume=auto"])])
 
 
 def make_data(task: str, out_dir: str, *, num_train: int, num_test: int, seed: int) -> int:

@@ -73,9 +73,11 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from hybridrl.metrics import MetricsWriteError
     from hybridrl.models import ModelLoadError
     from hybridrl.reward import RewardError
+    from hybridrl.train.oom import OutOfMemoryError
     from hybridrl.train.update import NonFiniteLossError
 
-    return (ConfigError, DataError, ModelLoadError, CheckpointError, RewardError, MetricsWriteError, NonFiniteLossError)
+    return (ConfigError, DataError, ModelLoadError, CheckpointError, RewardError, MetricsWriteError, NonFiniteLossError,
+            OutOfMemoryError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,12 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(
+            f"config file {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}. Fix the syntax (brackets, "
+            "quotes, indentation); tags such as !!python/... are refused: a config is data and is never executed"
+        ) from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path} is not UTF-8 text: {e}") from None
     if raw is None:

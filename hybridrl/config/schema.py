@@ -59,6 +59,12 @@ class RewardConfig:
     functions: list[dict[str, Any]] = field(default_factory=lambda: [{"name": "arith"}])
     timeout_s: float | None = None  # per-sample time limit for reward functions; None: no limit
     num_workers: int = 0  # threads scoring in parallel with generation; 0 scores after rollout
+    # The learned reward model of model.reward_model_path (a sequence classifier, e.g. from algorithm: rm).
+    model_weight: float = 1.0  # its weight in the sum with reward.functions
+    model_offload: bool = True  # keep its weights in CPU memory, streamed to the GPU layer by layer while scoring
+    model_normalize: bool = False  # normalise its scores by their running mean and std
+    model_clip: float | None = None  # clip its (normalised) scores to [-clip, clip]; None: no clipping
+    model_max_batch_tokens: int = 4096  # padded tokens per reward-model forward pass
 
 
 @dataclass
@@ -94,6 +100,14 @@ class TrainConfig:
     batch_size: int = 64  # responses per RL step (prompts per step = batch_size / rollout.n)
     mini_batch_size: int | None = None  # responses per optimizer step; None = batch_size
     micro_batch_size: int = 16  # responses per forward/backward (gradient accumulation)
+    # Token budget per forward/backward: micro-batches are filled with responses up to this many
+    # tokens (a packed prompt counts once per micro-batch) instead of micro_batch_size rows.
+    # 0 or None keeps the fixed count. A response longer than the budget gets a micro-batch alone.
+    max_tokens_per_micro_batch: int | None = None
+    packing: str = "auto"  # "on": each micro-batch is one row, each prompt once for its responses (no padding); "off"; "auto": on on GPU
+    fp32_master_weights: bool = True  # bf16/fp16 models: fp32 master weights, gradients and AdamW state (else AdamW in bf16)
+    offload_reference: bool = False  # keep the reference model in pinned CPU memory except during its forward pass
+    compile: bool = False  # torch.compile each decoder layer of the trained model; for the native rollout backend (hf generate recompiles per shape)
     ppo_epochs: int = 1  # passes over each rollout batch
     lr: float = 1e-6  # actor learning rate
     critic_lr: float = 1e-5  # critic learning rate (PPO)
@@ -119,7 +133,10 @@ class TrainerConfig:
     eval_every: int = 0  # evaluate on data.eval_path every N steps; 0 disables
     eval_samples: int = 200  # held-out prompts used per evaluation
     progress: bool = True  # show a progress bar on the console
-    continue_on_save_error: bool = False  # keep training if a checkpoint cannot be written
+    continue_on_save_error: bool = False  # keep training if a checkpoint or metrics record cannot be written
+    # After SIGTERM/SIGINT the current step may run this long; if it has not started its update by
+    # then it is abandoned. Keep it below the scheduler's kill delay (Slurm, Kubernetes: ~30 s).
+    preemption_grace_s: float = 20.0
 
 
 @dataclass

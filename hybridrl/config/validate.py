@@ -54,6 +54,7 @@ def validate_config(cfg: Config, *, require_paths: bool = True) -> None:
     _check_choice("algorithm.kl_estimator", cfg.algorithm.kl_estimator, KL_ESTIMATORS)
     _check_choice("algorithm.loss_agg", cfg.algorithm.loss_agg, LOSS_AGGS)
     _check_choice("train.lr_schedule", cfg.train.lr_schedule, ("constant", "cosine"))
+    _check_choice("train.packing", cfg.train.packing, ("auto", "on", "off"))
     if cfg.algorithm.advantage is not None:
         _check_choice("algorithm.advantage", cfg.algorithm.advantage, ADVANTAGES)
     if require_paths and not cfg.model.path:
@@ -64,6 +65,7 @@ def validate_config(cfg: Config, *, require_paths: bool = True) -> None:
     _positive("train.total_steps", cfg.train.total_steps)
     _positive("train.batch_size", cfg.train.batch_size)
     _positive("train.micro_batch_size", cfg.train.micro_batch_size)
+    _non_negative("train.max_tokens_per_micro_batch", cfg.train.max_tokens_per_micro_batch or 0)
     _positive("train.ppo_epochs", cfg.train.ppo_epochs)
     _positive("rollout.n", cfg.rollout.n)
     _positive("rollout.max_tokens", cfg.rollout.max_tokens)
@@ -78,6 +80,7 @@ def validate_config(cfg: Config, *, require_paths: bool = True) -> None:
     _non_negative("rollout.temperature", cfg.rollout.temperature)
     _non_negative("trainer.save_every", cfg.trainer.save_every)
     _positive("trainer.keep_last", cfg.trainer.keep_last)
+    _non_negative("trainer.preemption_grace_s", cfg.trainer.preemption_grace_s)
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
     if not 0 <= cfg.train.min_lr_ratio <= 1:
@@ -103,6 +106,10 @@ def validate_config(cfg: Config, *, require_paths: bool = True) -> None:
             raise ConfigError("no reward: set reward.functions (e.g. [{name: arith}]) or model.reward_model_path")
     if cfg.reward.timeout_s is not None and cfg.reward.timeout_s <= 0:
         raise ConfigError(f"reward.timeout_s must be positive or null, got {cfg.reward.timeout_s}")
+    _non_negative("reward.num_workers", cfg.reward.num_workers)
+    _positive("reward.model_max_batch_tokens", cfg.reward.model_max_batch_tokens)
+    if cfg.reward.model_clip is not None and cfg.reward.model_clip <= 0:
+        raise ConfigError(f"reward.model_clip must be positive or null, got {cfg.reward.model_clip}")
 
 
 def _check_rl_batches(cfg: Config) -> None:
@@ -115,7 +122,7 @@ def _check_rl_batches(cfg: Config) -> None:
     mini = t.mini_batch_size or t.batch_size
     if mini <= 0 or t.batch_size % mini:
         raise ConfigError(f"train.batch_size ({t.batch_size}) must be divisible by train.mini_batch_size ({mini}); e.g. train.mini_batch_size={t.batch_size}")
-    if mini % t.micro_batch_size:
+    if mini % t.micro_batch_size and not t.max_tokens_per_micro_batch:  # a token budget replaces the count
         raise ConfigError(
             f"train.mini_batch_size ({mini}) must be divisible by train.micro_batch_size ({t.micro_batch_size}); "
             f"e.g. train.micro_batch_size={_largest_divisor(mini, t.micro_batch_size)}"

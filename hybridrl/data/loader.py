@@ -97,7 +97,7 @@ class StatefulLoader(Generic[T]):
             raise ValueError(
                 f"loader state position (epoch {epoch}, index {index}) is out of range for a "
                 f"dataset of {n} items (saved with {state['dataset_size']}); this checkpoint "
-                "was made with different data. Point data.path at that data, or start fresh."
+                "was made with different data. Point data.train_path at that data, or set trainer.resume=off to start fresh."
             )
         if state["dataset_size"] != n:
             logger.warning(

@@ -59,7 +59,7 @@ def parse_rows(
         if not examples:
             raise DataError(
                 f"all {len(rows)} rows are bad and were dropped ({summary}); the first: "
-                f"{first_error}",
+                f"{str(first_error).removesuffix(' ' + first_error.fix)}",  # its fix suggests dropping
                 source=source,
                 fix="Fix the data, or check the column names and length limits in the config.",
             )

@@ -9,11 +9,17 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hybridrl import failpoints
+
 log = logging.getLogger("hybridrl.metrics")
 
 
 class MetricsWriteError(OSError):
-    """The metrics file could not be written (full disk, permissions); names the path."""
+    """A run output (metrics.jsonl, config.yaml) could not be written (full disk, permissions); names the path."""
+
+
+FIX = ("Free disk space or choose a writable trainer.output_dir; checkpoints already written are intact "
+       "and the run can be resumed (trainer.continue_on_save_error=true keeps training through failed writes).")
 
 
 def _clean(value: Any) -> Any:
@@ -27,13 +33,16 @@ class JsonlSink:
     """Appends one JSON object per step to `metrics.jsonl`.
 
     Each record is written with a single `write` of a complete line and fsync'd, so a kill can at
-    worst leave one partial last line; `truncate_after` removes it (and any record past the
-    checkpoint being resumed) so a resumed run never duplicates a step.
+    worst leave one partial last line (a failed write is cut off again); `truncate_after` removes it
+    (and any record past the checkpoint being resumed) so a resumed run never duplicates a step.
     """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MetricsWriteError(f"could not create the output directory {self.path.parent}: {e.strerror or e}. {FIX}") from e
 
     def truncate_after(self, step: int) -> int:
         """Keeps only complete records with `step <= step`; returns how many were dropped."""
@@ -51,22 +60,38 @@ class JsonlSink:
             else:
                 dropped += 1
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(l + "\n" for l in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write("".join(l + "\n" for l in kept))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as e:
+            raise MetricsWriteError(f"could not rewrite {self.path} to step {step} for the resume: {e.strerror or e}. {FIX}") from e
         return dropped
 
     def write(self, record: dict[str, Any]) -> None:
-        line = json.dumps({k: _clean(v) for k, v in record.items()}, sort_keys=False) + "\n"
+        data = (json.dumps({k: _clean(v) for k, v in record.items()}, sort_keys=False) + "\n").encode("utf-8")
         try:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(line)
-                f.flush()
-                os.fsync(f.fileno())
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as e:
-            raise MetricsWriteError(
-                f"could not append to {self.path}: {e.strerror or e}. Free disk space or make the directory writable "
-                "(trainer.output_dir); checkpoints already written are intact and the run can be resumed."
-            ) from e
+            raise MetricsWriteError(f"could not open {self.path} for appending: {e.strerror or e}. {FIX}") from e
+        try:
+            start = os.lseek(fd, 0, os.SEEK_END)
+            failpoints.reached("metrics", torn_write=lambda: os.write(fd, data[: len(data) // 2]))
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            except OSError as e:
+                try:
+                    os.ftruncate(fd, start)  # no partial line stays behind
+                except OSError:
+                    pass  # the next resume's truncate_after drops it
+                raise MetricsWriteError(f"could not append to {self.path}: {e.strerror or e}. {FIX}") from e
+        finally:
+            os.close(fd)
 
 
 class TensorBoardSink:

@@ -1,8 +1,9 @@
-"""Rewards: user functions (native or TRL-style), built-in scorers, weighted mixes, timeouts, and
-scoring that overlaps generation.
+"""Rewards: user functions (native or TRL-style), built-in scorers, learned reward models (with
+CPU offload), weighted mixes, timeouts, and scoring that overlaps generation.
 
     reward = RewardEngine.mix([(RewardEngine.from_builtin("gsm8k"), 1.0),
-                               (RewardEngine.from_fn(my_fn, timeout_s=5), 0.5)])
+                               (RewardEngine.from_fn(my_fn, timeout_s=5), 0.5),
+                               (RewardEngine.from_hf("path/to/reward-model", offload=True), 0.5)])
     result = reward.score(prompts, responses, columns={"ground_truth": answers})
 """
 
@@ -10,7 +11,7 @@ from hybridrl.reward.engine import RewardEngine
 from hybridrl.reward.functions import FunctionReward
 from hybridrl.reward.scorers import BUILTIN_SCORERS
 from hybridrl.reward.streaming import StreamingScorer
-from hybridrl.reward.types import RewardComponent, RewardError, RewardResult
+from hybridrl.reward.types import RewardComponent, RewardError, RewardResult, StatefulComponent
 
 __all__ = [
     "BUILTIN_SCORERS",
@@ -19,5 +20,6 @@ __all__ = [
     "RewardEngine",
     "RewardError",
     "RewardResult",
+    "StatefulComponent",
     "StreamingScorer",
 ]

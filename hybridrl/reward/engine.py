@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from hybridrl.reward.functions import FunctionReward
 from hybridrl.reward.loading import parse_entry
 from hybridrl.reward.scorers import get_builtin
 from hybridrl.reward.slot import Slot, assemble_result
 from hybridrl.reward.streaming import StreamingScorer
-from hybridrl.reward.types import Batch, RewardComponent, RewardError, RewardResult
+from hybridrl.reward.types import Batch, RewardComponent, RewardError, RewardResult, StatefulComponent
 
 
 def _unique_names(slots: list[Slot]) -> list[Slot]:
@@ -87,6 +89,41 @@ class RewardEngine:
                            kwargs=kwargs)
 
     @classmethod
+    def from_hf(
+        cls,
+        path_or_id: str,
+        offload: bool = True,
+        *,
+        name: str = "reward_model",
+        device: str = "auto",
+        dtype: str = "auto",
+        normalize: bool = False,
+        clip: float | None = None,
+        max_batch_tokens: int = 4096,
+        max_wave_tokens: int = 32768,
+        max_length: int | None = None,
+        trust_remote_code: bool = False,
+        chat_template: str | None = None,
+    ) -> RewardEngine:
+        """A learned reward model (`AutoModelForSequenceClassification`, one output) from a Hub id or
+        a local directory, e.g. one trained with `algorithm: rm`. See `hybridrl.reward.model`.
+
+        `offload=True` keeps its weights in CPU memory between calls and streams them to the device
+        layer by layer while scoring (prefetching the next layer); `offload=False` keeps them on the
+        device. `normalize`: running mean/std normalisation; `clip`: bound on the (normalised)
+        score. `max_batch_tokens`: padded tokens per forward; `max_wave_tokens`: with offload, the
+        tokens whose hidden states stay on the device while a layer's weights are there.
+        """
+        from hybridrl.reward.model import RewardModel  # torch and transformers, only when asked for
+
+        component = RewardModel.from_pretrained(
+            path_or_id, dtype=dtype, device=device, trust_remote_code=trust_remote_code, chat_template=chat_template,
+            name=name, offload=offload, normalize=normalize, clip=clip, max_batch_tokens=max_batch_tokens,
+            max_wave_tokens=max_wave_tokens, max_length=max_length,
+        )
+        return cls.from_component(component)
+
+    @classmethod
     def from_spec(cls, spec: Sequence[dict[str, Any]], base_dir: str | Path | None = None) -> RewardEngine:
         """An engine from a list of entries, e.g. from YAML:
 
@@ -150,6 +187,27 @@ class RewardEngine:
         """A scorer fed one finished response at a time; see `StreamingScorer`. `num_workers`
         (default: each component's own, else auto) threads per component."""
         return StreamingScorer(self.slots, columns, num_workers)
+
+    # ---- state -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state of every stateful component (e.g. a reward model's running statistics), by name."""
+        return {slot.name: slot.component.state_dict() for slot in self.slots
+                if isinstance(slot.component, StatefulComponent)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for slot in self.slots:
+            if slot.name in state:
+                slot.component.load_state_dict(state[slot.name])
+
+    @contextmanager
+    def frozen_state(self) -> Iterator[None]:
+        """Scores inside leave no trace in component state (for evaluation): it is restored on exit."""
+        saved = copy.deepcopy(self.state_dict())
+        try:
+            yield
+        finally:
+            self.load_state_dict(saved)
 
     def close(self) -> None:
         """Stops idle worker processes (those of `use_processes=True` components)."""

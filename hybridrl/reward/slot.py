@@ -31,6 +31,11 @@ class Slot:
     use_processes: bool = False  # worker processes (spawned) instead of threads
     _processes: ProcessWorkers | None = field(default=None, repr=False)
 
+    @property
+    def per_sample(self) -> bool:
+        """False for a component called once per batch (e.g. a reward model): see RewardComponent."""
+        return getattr(self.component, "per_sample", True)
+
     def __post_init__(self) -> None:
         for key in ("weight", "timeout_score"):
             value = getattr(self, key)
@@ -40,6 +45,9 @@ class Slot:
             raise RewardError(f"reward {self.name!r}: `timeout_s` must be > 0 seconds or None, got {self.timeout_s!r}")
         if not isinstance(self.num_workers, int) or self.num_workers < 0:
             raise RewardError(f"reward {self.name!r}: `num_workers` must be an int >= 0, got {self.num_workers!r}")
+        if not self.per_sample and self.uses_workers:
+            raise RewardError(f"reward {self.name!r} scores whole batches (e.g. a reward model), so it takes no "
+                              "timeout_s, num_workers or use_processes; set them on function rewards only")
 
     @property
     def uses_workers(self) -> bool:

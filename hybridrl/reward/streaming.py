@@ -12,17 +12,18 @@ class StreamingScorer:
     """Takes finished responses one at a time (`submit`) and scores them on worker threads.
 
     The rollout engine calls `submit` from its `on_finished` callback; `finish(total)` waits for
-    the rest and returns the result ordered by index. Every component is called per sample (a list
-    of one), with its own timeout if it has one.
+    the rest and returns the result ordered by index. Components are called per sample (a list of
+    one), with their own timeout if they have one; a component with `per_sample = False` (a reward
+    model) is called once, on the whole batch, inside `finish()`.
 
     Metrics added to the result:
       * `timing/reward`: summed busy time of all scoring calls (seconds; can exceed wall time);
       * `timing/reward_exposed`: wall time spent inside `finish()`, i.e. scoring not hidden
         behind generation;
       * `reward/overlap_ratio = clamp(1 - exposed / scoring_wall, 0, 1)`, where `scoring_wall` is
-        the wall time from the first `submit()` to the end of the last scoring call. 1.0: all
-        scoring was done by the time `finish()` was called; 0.0: all of it happened inside
-        `finish()`. It is 1.0 when nothing was submitted.
+        the wall time during which at least one scoring call was running (the union of their
+        intervals). 1.0: all scoring was done by the time `finish()` was called; 0.0: all of it
+        happened inside `finish()`. It is 1.0 when nothing was scored.
     """
 
     def __init__(self, slots: list[Slot], columns: dict[str, list] | None, num_workers: int | None):
@@ -32,9 +33,8 @@ class StreamingScorer:
             if key in RESERVED_NAMES:
                 raise RewardError(f"column {key!r} clashes with an argument the reward engine passes itself "
                                   f"({', '.join(RESERVED_NAMES)}); rename the column")
-        self._runners = [slot.runner(num_workers) for slot in slots]
+        self._runners = [slot.runner(num_workers) if slot.per_sample else None for slot in slots]
         self._samples: dict[int, tuple[str, str, list[int] | None]] = {}
-        self._first_submit: float | None = None
         self._finished = False
 
     def submit(self, index: int, prompt: str, response: str, response_ids: list[int] | None = None) -> None:
@@ -46,8 +46,6 @@ class StreamingScorer:
         for key, values in self._columns.items():
             if not 0 <= index < len(values):
                 raise RewardError(f"sample index {index} is out of range for column {key!r} ({len(values)} values)")
-        if self._first_submit is None:
-            self._first_submit = time.perf_counter()
         self._samples[index] = (prompt, response, response_ids)
         sample = Batch(
             prompts=[prompt],
@@ -56,7 +54,8 @@ class StreamingScorer:
             response_ids=None if response_ids is None else [response_ids],
         )
         for runner in self._runners:
-            runner.submit(index, sample)
+            if runner is not None:
+                runner.submit(index, sample)
 
     def finish(self, total: int) -> RewardResult:
         """Waits for samples 0..total-1 and returns their result, ordered by index."""
@@ -68,8 +67,6 @@ class StreamingScorer:
             raise RewardError(f"finish(total={total}): never submitted {missing[:20]}, out of range {extra[:20]}; "
                               "submit every index in 0..total-1 exactly once")
         indices = list(range(total))
-        outcomes = [runner.wait(indices) for runner in self._runners]
-        exposed = time.perf_counter() - enter
         has_ids = any(self._samples[i][2] is not None for i in indices)
         batch = Batch.make(
             prompts=[self._samples[i][0] for i in indices],
@@ -77,13 +74,34 @@ class StreamingScorer:
             columns={key: values[:total] for key, values in self._columns.items()},
             response_ids=[self._samples[i][2] or [] for i in indices] if has_ids else None,
         )
-        per_slot = [collect(slot, batch, slot_outcomes) for slot, slot_outcomes in zip(self._slots, outcomes)]
+        per_slot, intervals = [], []
+        for slot, runner in zip(self._slots, self._runners):
+            if runner is None:  # a whole-batch component, e.g. a reward model: it starts now
+                start = time.perf_counter()
+                scores = slot.score(batch)
+                intervals.append((start, time.perf_counter()))
+                scores.busy_s = intervals[-1][1] - start
+            else:
+                outcomes = runner.wait(indices)
+                scores = collect(slot, batch, outcomes)
+                intervals.extend((o.end - o.busy_s, o.end) for o in outcomes.values())
+            per_slot.append(scores)
+        exposed = time.perf_counter() - enter
         result = assemble_result(self._slots, per_slot, total)
-        ends = [o.end for slot_outcomes in outcomes for o in slot_outcomes.values()]
-        scoring_wall = max(ends) - self._first_submit if ends else 0.0
-        result.metrics["timing/reward"] = sum(o.busy_s for slot_outcomes in outcomes for o in slot_outcomes.values())
+        scoring_wall = _union_length(intervals)
+        result.metrics["timing/reward"] = sum(scores.busy_s for scores in per_slot)
         result.metrics["timing/reward_exposed"] = exposed
         result.metrics["reward/overlap_ratio"] = (
             min(1.0, max(0.0, 1.0 - exposed / scoring_wall)) if scoring_wall > 0 else 1.0
         )
         return result
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by the (start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total

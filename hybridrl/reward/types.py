@@ -20,11 +20,27 @@ class RewardComponent(Protocol):
     `__call__` receives the data columns as keyword arguments, plus `response_ids`
     (list[list[int]]) when the caller has token ids. It returns one float per response, or None
     for "not applicable" (scored 0.0 and counted in `reward/<name>/none`).
+
+    Optional: a class attribute `per_sample = False` asks to be called once on the whole batch,
+    never per sample (a reward model on a GPU); such a component takes no timeout or workers.
+    A component with state that a resume must restore (e.g. running statistics) also has
+    `state_dict()` and `load_state_dict(state)` (see `StatefulComponent`).
     """
 
     name: str
 
     def __call__(self, prompts: list[str], responses: list[str], **columns: Any) -> list[float | None]:
+        ...
+
+
+@runtime_checkable
+class StatefulComponent(Protocol):
+    """A component whose state (JSON-serialisable) is saved in checkpoints and restored on resume."""
+
+    def state_dict(self) -> dict[str, Any]:
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         ...
 
 

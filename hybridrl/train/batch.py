@@ -22,6 +22,9 @@ class SequenceBatch:
     prompt_width: int  # P
     # Per-sequence and per-token data filled in along the step ([B] or [B, T]); None until then.
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # True: forward passes lay the rows end to end in one packed row (packing.py), each prompt once
+    # for all its responses, instead of this padded layout. `select` keeps the flag.
+    packed: bool = False
 
     @property
     def size(self) -> int:

@@ -1,37 +1,38 @@
-"""Response log-probs, entropy and values from a forward pass, without full fp32 logits.
+"""Response log-probs, entropy and values from one forward pass, without full fp32 logits.
 
-The lm_head is applied to the response positions only, in chunks of the sequence; under
-autograd each chunk is checkpointed, so only the hidden states are kept and a chunk's
-`[B, chunk, vocab]` logits exist only while that chunk is computed.
+Only the positions that predict response tokens reach the lm_head (`lm_head.token_logprobs`: in
+chunks of tokens, one chunk of logits alive at a time). The decoder runs either on the padded layout
+of the `SequenceBatch` or, when `batch.packed`, on one packed row (packing.py, attention.py). Both
+return `[B, T]` tensors in the batch's layout, zero on padding.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
+from hybridrl.train.attention import BLOCK, packed_attention_mask
 from hybridrl.train.batch import SequenceBatch
+from hybridrl.train.lm_head import token_logprobs
+from hybridrl.train.packing import pack_sequences
 
 
-def _decoder_hidden(model: torch.nn.Module, batch: SequenceBatch) -> torch.Tensor:
-    """Last hidden states `[B, L, H]` from the model's base (no lm_head)."""
-    base = getattr(model, model.base_model_prefix)
-    out = base(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False)
-    return out.last_hidden_state
+def _run(model: torch.nn.Module, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output `[1 or B, L, ...]` of `model`, flat positions `[N]` predicting the response tokens,
+    the tokens `[N]`, their flat places `[N]` in `[B, T]`)."""
+    if batch.packed:
+        on_cuda = batch.input_ids.device.type == "cuda"
+        layout = pack_sequences(batch, pad_to_multiple=BLOCK if on_cuda else 1)
+        out = model(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=packed_attention_mask(layout), use_cache=False)
+        return out, layout.logit_index, layout.labels, layout.target_index
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False)
+    rows, cols = batch.response_mask.nonzero(as_tuple=True)
+    L, T = batch.input_ids.shape[1], batch.response_mask.shape[1]
+    return out, rows * L + batch.prompt_width - 1 + cols, batch.response_ids[rows, cols], rows * T + cols
 
 
-def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, temperature: float, with_entropy: bool):
-    logits = F.linear(hidden, weight, bias).float()  # [B, c, V]
-    if temperature != 1.0:
-        logits = logits / temperature
-    logz = torch.logsumexp(logits, dim=-1)  # [B, c]
-    logprobs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logz
-    if not with_entropy:
-        return logprobs, torch.zeros_like(logprobs)
-    probs = torch.softmax(logits, dim=-1)
-    entropy = logz - (probs * logits).sum(-1)
-    return logprobs, entropy
+def _to_batch_layout(values: torch.Tensor, target: torch.Tensor, batch: SequenceBatch) -> torch.Tensor:
+    B, T = batch.response_mask.shape
+    return values.new_zeros(B * T).index_copy(0, target, values).view(B, T)
 
 
 def response_logprobs(
@@ -40,35 +41,20 @@ def response_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
-    chunk_size: int = 512,
+    chunk_size: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs `[B, T]` of the response tokens under softmax(logits / T), and entropy `[B, T]`."""
-    hidden = _decoder_hidden(model, batch)
-    P = batch.prompt_width
-    T = batch.response_mask.shape[1]
-    h = hidden[:, P - 1 : P - 1 + T]  # positions that predict the response tokens
-    labels = batch.response_ids
+    base = getattr(model, model.base_model_prefix)
+    out, positions, labels, target = _run(base, batch)
+    hidden = out.last_hidden_state.flatten(0, 1)[positions]  # [N, H]
     head = model.get_output_embeddings()
-    temp = temperature if temperature > 0 else 1.0
-    outs_lp, outs_ent = [], []
-    for start in range(0, T, chunk_size):
-        sl = slice(start, start + chunk_size)
-        args = (h[:, sl], head.weight, head.bias, labels[:, sl], temp, with_entropy)
-        if torch.is_grad_enabled():
-            lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs(*args)
-        outs_lp.append(lp)
-        outs_ent.append(ent)
-    logprobs = torch.cat(outs_lp, dim=1) * batch.response_mask
-    entropy = torch.cat(outs_ent, dim=1) * batch.response_mask if with_entropy else None
-    return logprobs, entropy
+    logprobs, entropy = token_logprobs(hidden, head.weight, head.bias, labels, temperature=temperature, chunk=chunk_size)
+    logprobs = _to_batch_layout(logprobs, target, batch)
+    return logprobs, (_to_batch_layout(entropy, target, batch) if with_entropy else None)
 
 
 def response_values(critic: torch.nn.Module, batch: SequenceBatch) -> torch.Tensor:
     """Critic values `[B, T]`: V of the prefix before each response token."""
-    out = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False)
-    P = batch.prompt_width
-    T = batch.response_mask.shape[1]
-    values = out.logits[:, P - 1 : P - 1 + T, 0].float()
-    return values * batch.response_mask
+    out, positions, _, target = _run(critic, batch)
+    values = out.logits.flatten(0, 1)[positions, 0].float()
+    return _to_batch_layout(values, target, batch)

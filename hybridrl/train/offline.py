@@ -11,9 +11,10 @@ from typing import Any, Sequence
 
 import torch
 
-from hybridrl.algos import Registry, dpo_loss, kto_loss, sft_loss
+from hybridrl.algos import Registry, bradley_terry_loss, dpo_loss, kto_loss, sft_loss
 from hybridrl.config import Config
 from hybridrl.data import load_preference_dataset, load_sft_dataset, load_unpaired_dataset
+from hybridrl.reward.model import right_padded, sequence_scores
 from hybridrl.train.batch import SequenceBatch, build_sequence_batch, split_indices
 from hybridrl.train.logprobs import response_logprobs
 
@@ -155,6 +156,29 @@ class KTO(OfflineAlgorithm):
             if key in m and torch.isfinite(torch.as_tensor(m[key])):
                 out[f"kto/{key}"] = float(m[key])
         return loss * share, out
+
+
+@OFFLINE_ALGORITHMS.register("rm")
+class RewardModeling(OfflineAlgorithm):
+    """A reward model (sequence classifier, one output) on preference pairs with the Bradley-Terry
+    loss, plus `algorithm.rm_margin` if set (Ouyang et al. 2022, eq. 1; Touvron et al. 2023, eq. 2).
+    Pairs are encoded as DPO's are, so `RewardEngine.from_hf` scores rollouts the way it was trained."""
+
+    def load(self, source):
+        d = self.config.data
+        return load_preference_dataset(source, self.tokenizer, prompt_key=d.prompt_key, chosen_key=d.chosen_key,
+                                       rejected_key=d.rejected_key, max_length=d.max_length, on_bad_row=d.on_bad_row)
+
+    def loss(self, model, ref_model, micro, norm, device):
+        n = len(micro)
+        sequences = [ex.prompt_ids + ex.chosen_ids for ex in micro] + [ex.prompt_ids + ex.rejected_ids for ex in micro]
+        batch = right_padded(sequences, self.pad_id)
+        rewards = sequence_scores(model, batch.input_ids.to(device), batch.attention_mask().to(device))  # [2n]
+        margin = torch.full((n,), self.config.algorithm.rm_margin, device=device) if self.config.algorithm.rm_margin else None
+        loss, m = bradley_terry_loss(rewards[:n], rewards[n:], margin)
+        share = n / norm["num_seqs"]  # the loss is a mean over the micro-batch
+        return loss * share, {"rm/loss": float(loss.detach()) * share, "rm/accuracy": float(m["accuracy"]),
+                              "rm/margin": float(m["margin"])}
 
 
 def get_offline_algorithm(name: str, config: Config, tokenizer) -> OfflineAlgorithm:

@@ -6,9 +6,15 @@ import math
 
 import torch
 
+from hybridrl.train.precision import MasterWeightAdamW, needs_master_weights
 
-def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, betas, eps: float) -> torch.optim.AdamW:
-    """AdamW with no weight decay on biases and norms; fused on GPU where torch offers it."""
+
+def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, betas, eps: float, fp32_master_weights: bool = True) -> torch.optim.AdamW:
+    """AdamW with no weight decay on biases and norms; fused on GPU where torch offers it.
+
+    A bf16 / fp16 model gets fp32 master weights and state (`precision.MasterWeightAdamW`) unless
+    `fp32_master_weights` is False (then AdamW runs in the model's dtype).
+    """
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -16,7 +22,10 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, b
         (no_decay if p.dim() < 2 else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     on_gpu = next(model.parameters()).device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=on_gpu or None)
+    kwargs = dict(lr=lr, betas=tuple(betas), eps=eps, fused=on_gpu or None)
+    if fp32_master_weights and needs_master_weights(model):
+        return MasterWeightAdamW(groups, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
 
 
 def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
@@ -39,8 +48,18 @@ def build_scheduler(optimizer, *, warmup_steps: int, total_steps: int, schedule:
     )
 
 
-def grads_are_finite(model: torch.nn.Module) -> bool:
-    for p in model.parameters():
-        if p.grad is not None and not torch.isfinite(p.grad).all():
-            return False
-    return True
+def grad_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors whose `.grad` the optimizer applies, in the model's parameter order: the trainable
+    parameters, or under mixed precision their fp32 masters (which hold the gradients)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return optimizer.masters(trainable) if isinstance(optimizer, MasterWeightAdamW) else trainable
+
+
+def grads_are_finite(params) -> bool:
+    """False if any gradient holds NaN/inf. `params`: tensors, or a module (its parameters). One host sync."""
+    if isinstance(params, torch.nn.Module):
+        params = params.parameters()
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return True
+    return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())

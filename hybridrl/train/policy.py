@@ -6,8 +6,9 @@ import torch
 
 from hybridrl.algos import aggregate_loss, get_policy_loss, kl_penalty, masked_mean
 from hybridrl.config import AlgorithmConfig, TrainConfig
-from hybridrl.train.batch import SequenceBatch, split_indices
+from hybridrl.train.batch import SequenceBatch
 from hybridrl.train.logprobs import response_logprobs
+from hybridrl.train.packing import Work, micro_batch_work, micro_batches
 from hybridrl.train.update import StepResult, mean_metrics, optimizer_step
 
 
@@ -18,15 +19,22 @@ def logprob_diff_metrics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch
 
 
 @torch.no_grad()
-def batched_logprobs(model: torch.nn.Module, batch: SequenceBatch, *, micro_batch_size: int, temperature: float) -> torch.Tensor:
-    """Log-probs `[B, T]` of the batch's responses, computed micro-batch by micro-batch."""
+def batched_logprobs(
+    model: torch.nn.Module, batch: SequenceBatch, *, micro_batch_size: int, temperature: float, max_tokens: int | None = None
+) -> tuple[torch.Tensor, Work]:
+    """Log-probs `[B, T]` of the batch's responses, micro-batch by micro-batch, and the work done.
+
+    The one forward structure of every log-prob pass without gradients (reference, old policy):
+    the same micro-batches (token budget, packing) as the update, so their numbers agree with it.
+    """
     T = batch.response_mask.shape[1]
     out = torch.zeros(batch.size, T, dtype=torch.float32, device=batch.input_ids.device)
-    for idx in split_indices(batch.size, micro_batch_size):
-        micro = batch.select(idx)
+    work = Work()
+    for idx, micro in micro_batches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens):
+        work += micro_batch_work(micro)
         lp, _ = response_logprobs(model, micro, temperature=temperature)
         out[idx, : lp.shape[1]] = lp
-    return out
+    return out, work
 
 
 class PolicyTrainer:
@@ -40,12 +48,14 @@ class PolicyTrainer:
         self.algo = algo
         self.temperature = temperature
         self.policy_loss = get_policy_loss("ppo")
+        self.work = Work()  # computed by the last update, for MFU
 
     def update(self, batch: SequenceBatch, *, shuffle_seed: int) -> tuple[dict[str, float], int]:
         """PPO epochs over mini-batches; returns (metrics, number of skipped non-finite updates)."""
         mini = self.train_cfg.mini_batch_size or batch.size
         gen = torch.Generator().manual_seed(shuffle_seed)
         results: list[StepResult] = []
+        self.work = Work()
         self.model.train()
         for _ in range(self.train_cfg.ppo_epochs):
             order = torch.randperm(batch.size, generator=gen).tolist() if mini < batch.size else list(range(batch.size))
@@ -53,7 +63,10 @@ class PolicyTrainer:
                 mini_idx = order[start : start + mini]
                 mini_batch = batch.select(mini_idx)
                 num_tokens = float(mini_batch.response_mask.sum())
-                micros = [mini_batch.select(i) for i in split_indices(mini_batch.size, self.train_cfg.micro_batch_size)]
+                micros = [m for _, m in micro_batches(mini_batch, micro_batch_size=self.train_cfg.micro_batch_size,
+                                                      max_tokens=self.train_cfg.max_tokens_per_micro_batch)]  # fmt: skip
+                for micro in micros:
+                    self.work += micro_batch_work(micro)
                 results.append(
                     optimizer_step(
                         self.model, self.optimizer, micros,

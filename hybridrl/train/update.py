@@ -12,7 +12,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from hybridrl.train.optim import grads_are_finite
+from hybridrl import failpoints
+from hybridrl.train.oom import run_with_split_retry
+from hybridrl.train.optim import grad_params, grads_are_finite
 
 # loss_fn(micro_batch) -> (loss already normalised by the whole mini-batch, metrics)
 LossFn = Callable[[Any], tuple[torch.Tensor, dict[str, Any]]]
@@ -39,18 +41,17 @@ def optimizer_step(
     *,
     grad_clip: float,
 ) -> StepResult:
-    """Accumulates gradients over the micro-batches and applies one update unless they are not finite."""
+    """Accumulates gradients over the micro-batches and applies one update unless they are not finite.
+
+    A micro-batch that runs out of memory restarts the accumulation with every micro-batch split
+    in half (see `oom.run_with_split_retry`)."""
+    failpoints.reached("update")
     optimizer.zero_grad(set_to_none=True)
-    sums: dict[str, float] = defaultdict(float)
-    count = 0
-    for micro in micro_batches:
-        loss, metrics = loss_fn(micro)
-        loss.backward()
-        for k, v in metrics.items():
-            sums[k] = max(sums.get(k, float("-inf")), float(v)) if k.endswith("/max") else sums[k] + float(v)
-        count += 1
-    params = [p for p in model.parameters() if p.requires_grad]
-    finite = grads_are_finite(model)
+    sums, count = run_with_split_retry(
+        micro_batches, lambda micros: _accumulate(micros, loss_fn), on_retry=lambda: optimizer.zero_grad(set_to_none=True)
+    )
+    params = grad_params(model, optimizer)  # under mixed precision: the fp32 masters, which hold the gradients
+    finite = grads_are_finite(params)
     if finite:
         max_norm = grad_clip if grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
@@ -62,6 +63,16 @@ def optimizer_step(
     optimizer.zero_grad(set_to_none=True)
     metrics = {k: (v if k.endswith(("loss", "/max")) else v / max(count, 1)) for k, v in sums.items()}
     return StepResult(grad_norm=grad_norm, skipped=not finite, metrics=metrics)
+
+
+def _accumulate(micro_batches: list[Any], loss_fn: LossFn) -> tuple[dict[str, float], int]:
+    sums: dict[str, float] = defaultdict(float)
+    for micro in micro_batches:
+        loss, metrics = loss_fn(micro)
+        loss.backward()
+        for k, v in metrics.items():
+            sums[k] = max(sums.get(k, float("-inf")), float(v)) if k.endswith("/max") else sums[k] + float(v)
+    return sums, len(micro_batches)
 
 
 def mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:

@@ -6,17 +6,18 @@ import torch
 
 from hybridrl.algos import clipped_value_loss, masked_mean
 from hybridrl.config import AlgorithmConfig, TrainConfig
-from hybridrl.train.batch import SequenceBatch, split_indices
+from hybridrl.train.batch import SequenceBatch
 from hybridrl.train.logprobs import response_values
+from hybridrl.train.packing import Work, micro_batch_work, micro_batches
 from hybridrl.train.update import StepResult, mean_metrics, optimizer_step
 
 
 @torch.no_grad()
-def batched_values(critic: torch.nn.Module, batch: SequenceBatch, *, micro_batch_size: int) -> torch.Tensor:
+def batched_values(critic: torch.nn.Module, batch: SequenceBatch, *, micro_batch_size: int, max_tokens: int | None = None) -> torch.Tensor:
     T = batch.response_mask.shape[1]
     out = torch.zeros(batch.size, T, dtype=torch.float32, device=batch.input_ids.device)
-    for idx in split_indices(batch.size, micro_batch_size):
-        v = response_values(critic, batch.select(idx))
+    for idx, micro in micro_batches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens):
+        v = response_values(critic, micro)
         out[idx, : v.shape[1]] = v
     return out
 
@@ -30,18 +31,23 @@ class ValueTrainer:
         self.scheduler = scheduler
         self.train_cfg = train
         self.algo = algo
+        self.work = Work()  # computed by the last update, for MFU
 
     def update(self, batch: SequenceBatch, *, shuffle_seed: int) -> tuple[dict[str, float], int]:
         mini = self.train_cfg.mini_batch_size or batch.size
         gen = torch.Generator().manual_seed(shuffle_seed)
         results: list[StepResult] = []
+        self.work = Work()
         self.model.train()
         for _ in range(self.train_cfg.ppo_epochs):
             order = torch.randperm(batch.size, generator=gen).tolist() if mini < batch.size else list(range(batch.size))
             for start in range(0, batch.size, mini):
                 mini_batch = batch.select(order[start : start + mini])
                 num_tokens = float(mini_batch.response_mask.sum())
-                micros = [mini_batch.select(i) for i in split_indices(mini_batch.size, self.train_cfg.micro_batch_size)]
+                micros = [m for _, m in micro_batches(mini_batch, micro_batch_size=self.train_cfg.micro_batch_size,
+                                                      max_tokens=self.train_cfg.max_tokens_per_micro_batch)]  # fmt: skip
+                for micro in micros:
+                    self.work += micro_batch_work(micro)
                 results.append(
                     optimizer_step(
                         self.model, self.optimizer, micros,

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import yaml
 
+from hybridrl import failpoints
 from hybridrl.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -26,23 +27,32 @@ from hybridrl.checkpoint import (
 )
 from hybridrl.config import Config, ConfigError, algorithm_spec, diff_configs, to_dict, validate_config
 from hybridrl.data import StatefulLoader, load_prompt_dataset
-from hybridrl.metrics import ConsoleProgress, JsonlSink, PhaseTimer, memory_metrics
+from hybridrl.metrics import ConsoleProgress, JsonlSink, MetricsWriteError, PhaseTimer, memory_metrics
 from hybridrl.models import load_critic
 from hybridrl.rollout import RolloutEngine
+from hybridrl.train import oom
 from hybridrl.train.offline import get_offline_algorithm
 from hybridrl.train.optim import build_optimizer, build_scheduler
+from hybridrl.train.attention import enable_packed_attention
 from hybridrl.train.policy import PolicyTrainer
+from hybridrl.train.reference import OffloadedWeights
+from hybridrl.train.setup import compile_layers, prepare_for_training
 from hybridrl.train.update import NonFiniteLossError
 from hybridrl.train.value import ValueTrainer
 from hybridrl.trainer.evaluation import evaluate, evaluate_offline
 from hybridrl.trainer.offline_step import offline_step
+from hybridrl.trainer.preemption import PreemptionHandler, StepAbandoned, StepJournal
 from hybridrl.trainer.rl_step import rl_step
 
 log = logging.getLogger("hybridrl.trainer")
 
 
 class TrainerEngine:
-    """The driver of a training run on one process: RL (PPO, GRPO, RLOO, REINFORCE++) or offline (SFT, DPO, KTO)."""
+    """The driver of a training run on one process: RL (PPO, GRPO, RLOO, REINFORCE++) or offline (SFT, DPO, KTO, RM).
+
+    `actor` is the policy's RolloutEngine; for `algorithm="rm"` it is the reward model to train
+    (`hybridrl.reward.model.TrainableRewardModel`).
+    """
 
     def __init__(
         self,
@@ -65,9 +75,12 @@ class TrainerEngine:
         self.model = actor.model
         self.tokenizer = actor.tokenizer
         self.device = actor.device
-        self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=cfg.train.adam_betas, eps=cfg.train.adam_eps)
+        # Before the reference is copied from it: the copy shares the attention setup.
+        self.packed = prepare_for_training(self.model, cfg.train, gradient_checkpointing=cfg.model.gradient_checkpointing)
+        self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=cfg.train.adam_betas, eps=cfg.train.adam_eps, fp32_master_weights=cfg.train.fp32_master_weights)
         self.scheduler = self._scheduler(self.optimizer)
         self.ref_model = None
+        self.ref_offload: OffloadedWeights | None = None
         self.critic = None
         self.critic_trainer = None
         if self.spec.kind == "rl":
@@ -76,6 +89,8 @@ class TrainerEngine:
             self.offline_algorithm = get_offline_algorithm(cfg.algorithm.name, cfg, self.tokenizer)
             if self.offline_algorithm.needs_reference:
                 self.ref_model = frozen_copy(self.model)
+        if cfg.train.compile:
+            compile_layers(self.model)
 
         self.output_dir = Path(cfg.trainer.output_dir)
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
@@ -84,8 +99,12 @@ class TrainerEngine:
         self.step = 0
         self.counters = {"response_tokens": 0, "tokens": 0, "skipped_updates": 0, "consecutive_skips": 0}
         self.loader: StatefulLoader | None = None
+        self.journal: StepJournal | None = None  # undoes a step abandoned after SIGTERM (set by fit)
+        self.rollout_parts = 1  # prompts are generated in this many parts; doubled on out-of-memory
         self._resume_from: Path | None = None
         self._resume_checked = False
+        self._saved_step: int | None = None  # the step of the last checkpoint written or loaded
+        self._unwritten_records: list[dict[str, Any]] = []  # held after a failed metrics write
 
     # ---- setup helpers ---------------------------------------------------------------------
     def _setup_rl(self, reward_fn, critic) -> None:
@@ -97,10 +116,14 @@ class TrainerEngine:
         # The reference is a frozen copy of the initial policy; none is kept when KL is off.
         if cfg.algorithm.kl_coef > 0:
             self.ref_model = frozen_copy(self.model)
+            if cfg.train.offload_reference:
+                self.ref_offload = OffloadedWeights(self.ref_model)
         self.policy_trainer = PolicyTrainer(self.model, self.optimizer, self.scheduler, cfg.train, cfg.algorithm, temperature=cfg.rollout.temperature)
         if self.spec.needs_critic or critic is not None:
             self.critic = self._load_critic(critic)
-            c_opt = build_optimizer(self.critic, lr=cfg.train.critic_lr, weight_decay=cfg.train.weight_decay, betas=cfg.train.adam_betas, eps=cfg.train.adam_eps)
+            if self.packed:
+                enable_packed_attention(self.critic)
+            c_opt = build_optimizer(self.critic, lr=cfg.train.critic_lr, weight_decay=cfg.train.weight_decay, betas=cfg.train.adam_betas, eps=cfg.train.adam_eps, fp32_master_weights=cfg.train.fp32_master_weights)
             self.critic_trainer = ValueTrainer(self.critic, c_opt, self._scheduler(c_opt), cfg.train, cfg.algorithm)
 
     def _scheduler(self, optimizer):
@@ -125,7 +148,8 @@ class TrainerEngine:
         """Trains for `train.total_steps` steps (continuing from a checkpoint if resuming).
 
         `stop_when(record)` is called after each step; returning True ends training early
-        (a checkpoint is written first).
+        (a checkpoint is written first). SIGTERM or SIGINT also ends it after the current step
+        with a checkpoint (see preemption.py); the summary then names the signal under `preempted`.
         """
         cfg = self.config
         rl = self.spec.kind == "rl"
@@ -147,32 +171,59 @@ class TrainerEngine:
 
         progress = ConsoleProgress(cfg.train.total_steps, initial=self.step, enabled=cfg.trainer.progress, desc=cfg.algorithm.name)
         summary: dict[str, Any] = {"start_step": self.step}
-        if eval_data is not None:
-            summary["eval_before"] = self.evaluate(eval_data)
+        self.journal = StepJournal(self.loader, self._optimizers_and_schedulers())
+        # SIGTERM/SIGINT: finish (or, past the grace period, undo) the step, save, return.
+        preemption = PreemptionHandler(cfg.trainer.preemption_grace_s, can_abandon=self.journal.can_undo)
         try:
-            while self.step < cfg.train.total_steps:
-                record = self.train_step(self.loader.next_batch())
-                if eval_data is not None and cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
-                    record |= {f"eval/{k}": v for k, v in self.evaluate(eval_data).items()}
-                self.metrics.write(record)
-                progress.update(record)
-                stop = stop_when is not None and stop_when(record)
-                if cfg.trainer.save_every and (self.step % cfg.trainer.save_every == 0 or self.step == cfg.train.total_steps or stop):
-                    self.save_checkpoint()
-                if stop:
-                    break
+            with preemption:
+                if eval_data is not None:
+                    summary["eval_before"] = self.evaluate(eval_data)
+                self._train_loop(eval_data, stop_when, progress, preemption)
+                if preemption.requested:
+                    summary["preempted"] = preemption.signal_name
+                    self._save_after_preemption()
         finally:
             progress.close()
-        if eval_data is not None:
+            self.journal.close()
+            self.journal = None
+        if eval_data is not None and not preemption.requested:
             summary["eval_after"] = self.evaluate(eval_data)
         summary |= {"steps": self.step, "output_dir": str(self.output_dir), "metrics": str(self.metrics.path),
                     "checkpoint": str(self.checkpoints.latest_intact() or "")}
         return summary
 
+    def _train_loop(self, eval_data, stop_when, progress: ConsoleProgress, preemption: PreemptionHandler) -> None:
+        cfg = self.config
+        while self.step < cfg.train.total_steps and not preemption.requested:
+            try:
+                self.journal.begin()  # data position, RNG and LR schedules, to undo an abandoned step
+                record = self.train_step(self.loader.next_batch())
+            except StepAbandoned as e:
+                self.journal.undo()
+                self.timer.pop()
+                log.warning("step %d abandoned (%s); it is redone on resume", self.step + 1, e)
+                return
+            if eval_data is not None and cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
+                record |= {f"eval/{k}": v for k, v in self.evaluate(eval_data).items()}
+            self._write_record(record)
+            progress.update(record)
+            stop = stop_when is not None and stop_when(record)
+            if cfg.trainer.save_every and (self.step % cfg.trainer.save_every == 0 or self.step == cfg.train.total_steps or stop):
+                self.save_checkpoint()
+            if stop:
+                return
+
     def train_step(self, prompts) -> dict[str, Any]:
         """One step (rl_step.py or offline_step.py) turned into one step record."""
-        with self.timer.phase("step"):
-            result = rl_step(self, prompts) if self.spec.kind == "rl" else offline_step(self, prompts)
+        failpoints.reached("step")
+        oom_retries = oom.num_retries()
+        try:
+            with self.timer.phase("step"):
+                result = rl_step(self, prompts) if self.spec.kind == "rl" else offline_step(self, prompts)
+        except torch.OutOfMemoryError as e:  # rollout and training micro-batches retry; other passes cannot
+            raise oom.OutOfMemoryError("a forward pass (reference / old log-probs / values)") from e
+        if self.journal is not None:
+            self.journal.finish()  # an optimizer whose updates were all skipped keeps its LR schedule
         self.step += 1
         times = self.timer.pop()
         n_resp, n_tok = result.pop("_num_response_tokens"), result.pop("_num_tokens")
@@ -186,6 +237,7 @@ class TrainerEngine:
             **result,
             **times,
             "train/skipped_steps": self.counters["skipped_updates"],
+            "train/oom_retries": oom.num_retries() - oom_retries,
             "perf/tokens_per_s": n_resp / step_time,
             "perf/total_tokens_per_s": n_tok / step_time,
             "perf/total_response_tokens": self.counters["response_tokens"],
@@ -205,9 +257,32 @@ class TrainerEngine:
                 "Lower train.lr, check the reward for extreme values, or enable train.grad_clip; resume from the last checkpoint."
             )
 
+    def _write_record(self, record: dict[str, Any]) -> None:
+        """Appends the step record; with trainer.continue_on_save_error, a failed write is kept and retried next step."""
+        self._unwritten_records.append(record)
+        self._flush_records()
+
+    def _flush_records(self) -> None:
+        try:
+            while self._unwritten_records:
+                self.metrics.write(self._unwritten_records[0])
+                self._unwritten_records.pop(0)
+        except MetricsWriteError as e:
+            if not self.config.trainer.continue_on_save_error:
+                raise
+            log.error("%s -- continuing (trainer.continue_on_save_error=true); %d record(s) held until a write succeeds",
+                      e, len(self._unwritten_records))
+
+    def _optimizers_and_schedulers(self) -> list[tuple[torch.optim.Optimizer, Any]]:
+        pairs = [(self.optimizer, self.scheduler)]
+        if self.critic_trainer is not None:
+            pairs.append((self.critic_trainer.optimizer, self.critic_trainer.scheduler))
+        return pairs
+
     def evaluate(self, eval_data) -> dict[str, float]:
         if self.spec.kind == "rl":
-            return evaluate(self, eval_data)
+            with self.reward.frozen_state():  # e.g. reward-model running statistics: training data only
+                return evaluate(self, eval_data)
         return evaluate_offline(self, eval_data)
 
     def _prompts(self, source):
@@ -229,15 +304,23 @@ class TrainerEngine:
             "counters": self.counters,
             "loader": self.loader.state_dict() if self.loader is not None else None,
             "rng": capture_rng(),
+            "reward": self.reward.state_dict() if self.spec.kind == "rl" else {},
         }
         ckpt = CheckpointState(step=self.step, models=models, tensors=tensors, state=state, config=to_dict(self.config))
         try:
-            return self.checkpoints.save(ckpt)
+            path = self.checkpoints.save(ckpt)
+            self._saved_step = self.step
+            return path
         except CheckpointError as e:
             if self.config.trainer.continue_on_save_error:
                 log.error("%s -- continuing (trainer.continue_on_save_error=true)", e)
                 return None
             raise
+
+    def _save_after_preemption(self) -> None:
+        if self._saved_step != self.step and self.step > 0:
+            self.save_checkpoint()
+        self._flush_records()
 
     def resume_from_checkpoint(self, path: str | Path | None = None) -> None:
         """Resume from `path`, or from the latest intact checkpoint of the run when None.
@@ -252,7 +335,7 @@ class TrainerEngine:
 
     def _maybe_resume(self) -> None:
         if self._resume_from is not None:  # resume_from_checkpoint() already loaded the weights
-            self.loader.load_state_dict(self._resume_state["loader"])
+            self._restore_data_position(self._resume_from)
             return
         target = self.checkpoints.resolve(self.config.trainer.resume)
         if target is None:
@@ -260,7 +343,13 @@ class TrainerEngine:
                 self.metrics.truncate_after(0)
             return
         self._load(target)
-        self.loader.load_state_dict(self._resume_state["loader"])
+        self._restore_data_position(target)
+
+    def _restore_data_position(self, target: Path) -> None:
+        try:
+            self.loader.load_state_dict(self._resume_state["loader"])
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {target} does not fit this run's data: {e}") from None
 
     def _load(self, target: Path) -> None:
         saved_config = CheckpointManager.load_config(target)
@@ -274,7 +363,7 @@ class TrainerEngine:
         self.scheduler.load_state_dict(CheckpointManager.load_tensors(target, "scheduler"))
         if self.critic is not None:
             if not (target / "critic").is_dir():
-                raise CheckpointError(f"checkpoint {target} has no critic/ but this run trains one ({self.config.algorithm.name}); resume a {self.config.algorithm.name} run's checkpoint")
+                raise CheckpointError(f"checkpoint {target} has no critic/ but this run trains one ({self.config.algorithm.name}); resume a {self.config.algorithm.name} run's checkpoint, or set trainer.resume=off to start over")
             load_model_weights(self.critic, target / "critic")
             self.critic_trainer.optimizer.load_state_dict(CheckpointManager.load_tensors(target, "critic_optimizer"))
             self.critic_trainer.scheduler.load_state_dict(CheckpointManager.load_tensors(target, "critic_scheduler"))
@@ -282,14 +371,21 @@ class TrainerEngine:
         self.step = state["step"]
         self.counters = state["counters"]
         restore_rng(state["rng"])
+        if self.spec.kind == "rl":
+            self.reward.load_state_dict(state.get("reward", {}))
         self._resume_state = state
         self._resume_from = target
+        self._saved_step = self.step
         dropped = self.metrics.truncate_after(self.step)
         log.warning("resumed from %s at step %d%s", target, self.step, f" ({dropped} later metric records dropped)" if dropped else "")
 
     def _write_run_config(self) -> None:
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.config), sort_keys=False), encoding="utf-8")
+        path = self.output_dir / "config.yaml"
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(yaml.safe_dump(to_dict(self.config), sort_keys=False), encoding="utf-8")
+        except OSError as e:
+            raise MetricsWriteError(f"could not write {path}: {e.strerror or e}. Free disk space or choose a writable trainer.output_dir") from e
 
 
 def as_reward_engine(reward_fn: Any, cfg: Config):
@@ -306,13 +402,24 @@ def as_reward_engine(reward_fn: Any, cfg: Config):
 
 
 def reward_from_config(cfg: Config):
-    """The reward section as an engine; reward.timeout_s is the default for every entry."""
+    """The reward section as an engine (reward.timeout_s is the default for every function entry),
+    plus the learned reward model of model.reward_model_path if set."""
     from hybridrl.reward import RewardEngine
 
-    entries = [dict(e) for e in cfg.reward.functions]
-    if cfg.reward.timeout_s is not None:
-        entries = [{"timeout_s": cfg.reward.timeout_s, **e} for e in entries]
-    return RewardEngine.from_spec(entries)
+    r, parts = cfg.reward, []
+    if r.functions:
+        entries = [dict(e) for e in r.functions]
+        if r.timeout_s is not None:
+            entries = [{"timeout_s": r.timeout_s, **e} for e in entries]
+        parts.append((RewardEngine.from_spec(entries), 1.0))
+    if cfg.model.reward_model_path:
+        model = RewardEngine.from_hf(
+            cfg.model.reward_model_path, offload=r.model_offload, device=cfg.train.device, dtype=cfg.model.dtype,
+            normalize=r.model_normalize, clip=r.model_clip, max_batch_tokens=r.model_max_batch_tokens,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+        parts.append((model, r.model_weight))
+    return parts[0][0] if len(parts) == 1 and parts[0][1] == 1.0 else RewardEngine.mix(parts)
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

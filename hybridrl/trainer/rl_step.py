@@ -5,29 +5,36 @@ Each phase is a call with a telling name, timed into the step record.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybridrl.algos import AdvantageConfig, apply_kl_penalty, get_advantage_estimator, masked_mean, scores_to_token_rewards
 from hybridrl.train.batch import SequenceBatch, build_sequence_batch, pad_per_token
+from hybridrl.train.oom import generate_in_parts
+from hybridrl.metrics.flops import forward_flops, mfu
+from hybridrl.train.packing import Work
 from hybridrl.train.policy import batched_logprobs, logprob_diff_metrics
+from hybridrl.train.reference import weights_on_device
 from hybridrl.train.value import batched_values
 
 if TYPE_CHECKING:
     from hybridrl.data import PromptExample
     from hybridrl.trainer.engine import TrainerEngine
 
+log = logging.getLogger("hybridrl.trainer")
+
 
 def rl_step(t: "TrainerEngine", prompts: list["PromptExample"]) -> dict[str, Any]:
     cfg, timer = t.config, t.timer
-    with timer.phase("rollout"):
-        samples = generate_responses(t, prompts)
-    with timer.phase("reward"):
-        scores, reward_metrics = score_responses(t, prompts, samples)
+    with timer.phase("rollout"):  # with reward.num_workers > 0, finished responses are scored meanwhile
+        samples, scorer = generate_responses(t, prompts)
+    with timer.phase("reward_exposed"):  # scoring not hidden behind generation; timing/reward is all of it
+        scores, reward_metrics = score_responses(t, prompts, samples, scorer)
     batch = make_batch(t, samples, scores).to(t.device)
     with timer.phase("ref"):
-        compute_reference_logprobs(t, batch)
+        ref_work = compute_reference_logprobs(t, batch)
     with timer.phase("old_logprobs"):
         diff_metrics = compute_old_logprobs(t, batch)
     with timer.phase("values"):
@@ -43,6 +50,7 @@ def rl_step(t: "TrainerEngine", prompts: list["PromptExample"]) -> dict[str, Any
         **adv_metrics,
         **train_metrics,
         **rollout_metrics(batch, samples, cfg.rollout.max_tokens),
+        **mfu_metrics(t, ref_work),
         "train/skipped_updates": skipped,
         "_num_response_tokens": batch.num_response_tokens,
         "_num_tokens": int(batch.attention_mask.sum()),
@@ -50,23 +58,51 @@ def rl_step(t: "TrainerEngine", prompts: list["PromptExample"]) -> dict[str, Any
 
 
 def generate_responses(t: "TrainerEngine", prompts: list["PromptExample"]):
+    """The responses, and the StreamingScorer already scoring them (None when reward.num_workers is 0)."""
     r = t.config.rollout
-    samples = t.rollout.generate(
-        [p.prompt_ids for p in prompts], n=r.n, max_tokens=r.max_tokens, temperature=r.temperature,
-        top_p=r.top_p, top_k=r.top_k, seed=t.step_seed(),
-    )
+    step_seed = t.step_seed()
+    stream: dict[str, Any] = {"scorer": None, "offset": 0}
+
+    def generate(part: list["PromptExample"], seed: int):
+        on_finished = None
+        if t.config.reward.num_workers > 0:
+            if seed == step_seed:  # part 0 of an attempt (generate_in_parts): an OOM retry starts over
+                stream.update(scorer=t.reward.stream(sample_columns(prompts, r.n), t.config.reward.num_workers), offset=0)
+            scorer, offset = stream["scorer"], stream["offset"]
+            stream["offset"] += len(part)  # parts are consecutive slices of the prompts
+
+            def on_finished(s):  # scores are kept by sample index, so completion order never matters
+                scorer.submit((offset + s.prompt_index) * r.n + s.sample_index, s.prompt, s.response, s.response_ids)
+
+        return t.rollout.generate(
+            [p.prompt_ids for p in part], n=r.n, max_tokens=r.max_tokens, temperature=r.temperature,
+            top_p=r.top_p, top_k=r.top_k, seed=seed, on_finished=on_finished,
+        )
+
+    # Out of memory, the prompts are generated in twice as many parts; one part is one call.
+    samples, t.rollout_parts = generate_in_parts(generate, prompts, step_seed, t.rollout_parts)
     t.rollout.sleep()  # release the KV cache before training needs the memory
-    return samples
+    return samples, stream["scorer"]
 
 
-def score_responses(t: "TrainerEngine", prompts: list["PromptExample"], samples) -> tuple[torch.Tensor, dict[str, float]]:
-    columns: dict[str, list] = {}
+def sample_columns(prompts: list["PromptExample"], n: int) -> dict[str, list]:
+    """Each data column, one value per sample (samples are ordered prompt by prompt, n each)."""
     keys = sorted({k for p in prompts for k in p.columns})
-    for key in keys:
-        columns[key] = [prompts[s.prompt_index].columns.get(key) for s in samples]
-    result = t.reward.score(
-        [s.prompt for s in samples], [s.response for s in samples], columns, response_ids=[s.response_ids for s in samples]
-    )
+    return {key: [p.columns.get(key) for p in prompts for _ in range(n)] for key in keys}
+
+
+def score_responses(t: "TrainerEngine", prompts: list["PromptExample"], samples, scorer=None) -> tuple[torch.Tensor, dict[str, float]]:
+    if scorer is not None:
+        result = scorer.finish(len(samples))
+    else:
+        result = t.reward.score(
+            [s.prompt for s in samples], [s.response for s in samples], sample_columns(prompts, t.config.rollout.n),
+            response_ids=[s.response_ids for s in samples],
+        )
+        result.metrics["reward/overlap_ratio"] = 0.0
+    if result.timed_out:
+        log.warning("step %d: %d response(s) timed out in the reward (reward.timeout_s) and got the timeout score: "
+                    "samples %s", t.step + 1, len(result.timed_out), result.timed_out[:20])
     scores = torch.tensor(result.scores, dtype=torch.float32)
     return scores, dict(result.metrics)
 
@@ -77,15 +113,20 @@ def make_batch(t: "TrainerEngine", samples, scores: torch.Tensor) -> SequenceBat
     batch["rollout_logprobs"] = pad_per_token([s.response_logprobs for s in samples], T)
     batch["scores"] = scores
     batch["group_ids"] = torch.tensor([s.prompt_index for s in samples], dtype=torch.long)
+    batch.packed = t.packed  # forward passes lay the responses of a prompt after one copy of it
     return batch
 
 
-def compute_reference_logprobs(t: "TrainerEngine", batch: SequenceBatch) -> None:
+def compute_reference_logprobs(t: "TrainerEngine", batch: SequenceBatch) -> Work:
     if t.ref_model is None:
-        return
-    batch["ref_logprobs"] = batched_logprobs(
-        t.ref_model, batch, micro_batch_size=t.config.train.micro_batch_size, temperature=t.config.rollout.temperature
-    )
+        return Work()
+    tc = t.config.train
+    with weights_on_device(t.ref_offload):  # train.offload_reference: on the GPU for this pass only
+        batch["ref_logprobs"], work = batched_logprobs(
+            t.ref_model, batch, micro_batch_size=tc.micro_batch_size, temperature=t.config.rollout.temperature,
+            max_tokens=tc.max_tokens_per_micro_batch,
+        )  # fmt: skip
+    return work
 
 
 def compute_old_logprobs(t: "TrainerEngine", batch: SequenceBatch) -> dict[str, float]:
@@ -96,15 +137,18 @@ def compute_old_logprobs(t: "TrainerEngine", batch: SequenceBatch) -> dict[str, 
     """
     if t.on_policy:
         return {}
-    batch["old_logprobs"] = batched_logprobs(
-        t.model, batch, micro_batch_size=t.config.train.micro_batch_size, temperature=t.config.rollout.temperature
-    )
+    tc = t.config.train
+    batch["old_logprobs"], _ = batched_logprobs(
+        t.model, batch, micro_batch_size=tc.micro_batch_size, temperature=t.config.rollout.temperature,
+        max_tokens=tc.max_tokens_per_micro_batch,
+    )  # fmt: skip
     return logprob_diff_metrics(batch["old_logprobs"], batch["rollout_logprobs"], batch.response_mask)
 
 
 def compute_values(t: "TrainerEngine", batch: SequenceBatch) -> None:
     if t.critic is not None:
-        batch["values"] = batched_values(t.critic, batch, micro_batch_size=t.config.train.micro_batch_size)
+        tc = t.config.train
+        batch["values"] = batched_values(t.critic, batch, micro_batch_size=tc.micro_batch_size, max_tokens=tc.max_tokens_per_micro_batch)
 
 
 def compute_advantages(t: "TrainerEngine", batch: SequenceBatch) -> dict[str, float]:
@@ -156,4 +200,19 @@ def rollout_metrics(batch: SequenceBatch, samples, max_tokens: int) -> dict[str,
         "rollout/response_length/max": float(lengths.max()),
         "rollout/response_length/min": float(lengths.min()),
         "rollout/clipped_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
+    }
+
+
+def mfu_metrics(t: "TrainerEngine", ref_work: Work) -> dict[str, float | None]:
+    """Model FLOPs utilisation of the update (actor, and critic for PPO) and of the reference pass
+    (metrics/flops.py); None on devices without a known peak or for a pass that did not run."""
+    times = t.timer.times
+    train_flops = 3 * forward_flops(t.model, t.policy_trainer.work)
+    if t.critic_trainer is not None:
+        train_flops += 3 * forward_flops(t.critic, t.critic_trainer.work)
+    ref_flops = forward_flops(t.ref_model, ref_work) if t.ref_model is not None else 0.0
+    return {
+        "perf/mfu/actor": mfu(train_flops, times.get("timing/train", 0.0), t.device),
+        "perf/mfu/ref": mfu(ref_flops, times.get("timing/ref", 0.0), t.device) if ref_flops else None,
+        "perf/train_tflops": train_flops / 1e12,
     }

@@ -1,0 +1,353 @@
+"""hybridrl against TRL 1.16 `GRPOTrainer`: one workload, one GPU, one invocation (BENCHMARK.md).
+
+    python bench/compare_trl.py                   # W0.5B: 32 prompts x 256 tokens, n=8, 512 new tokens
+    python bench/compare_trl.py --size 1.5B       # W1.5B
+    python bench/compare_trl.py --tiny            # the same comparison on a tiny model, on CPU, in seconds
+    python bench/compare_trl.py --json out.json   # also write the table's figures
+
+Both systems run GRPO with a KL of 0.04 to a reference model, lr 1e-6, temperature 1.0 and one
+optimizer step per 256 responses (TRL: per_device_train_batch_size=16, gradient_accumulation_steps=16),
+on a random-init Qwen2 model of the workload's shape (seed 42, saved in bf16) and a local WordLevel
+tokenizer of 151,936 tokens, with the same reward function. hybridrl uses its native rollout engine;
+TRL its default generation (transformers `generate`). A random model rarely emits EOS, so responses
+run to the limit. On a GPU each system runs in its own subprocess, so each peak-memory figure is its
+own. Step time is the mean over the steps after the first. TRL is optional: without it only the
+hybridrl half runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "0.5B": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936),
+    "1.5B": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960, vocab_size=151936),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=1000),
+}  # fmt: skip
+HBM_BYTES_PER_S = 4.0e12  # measured device-to-device copy on the H200 (BENCHMARK.md)
+MEASURED_BF16_FLOPS = 790e12  # measured large bf16 matmul on the H200 (BENCHMARK.md)
+SPECIAL = ["<|pad|>", "<|endoftext|>", "<|unk|>"]
+
+
+@dataclass
+class Workload:
+    size: str
+    prompts: int = 32  # per step
+    prompt_len: int = 256
+    n: int = 8
+    max_tokens: int = 512
+    grad_accum: int = 16  # TRL: micro-batches per optimizer step (per_device_train_batch_size = responses / this)
+    max_tokens_per_micro_batch: int = 16384  # hybridrl's token budget per forward/backward
+    lr: float = 1e-6
+    beta: float = 0.04  # KL coefficient
+
+    @property
+    def responses(self) -> int:
+        return self.prompts * self.n
+
+
+def workload(size: str) -> Workload:
+    if size == "tiny":
+        return Workload("tiny", prompts=4, prompt_len=16, n=2, max_tokens=16, grad_accum=2, max_tokens_per_micro_batch=64)
+    return Workload(size)
+
+
+def reward_fn(completions, **kwargs) -> list[float]:
+    """A cheap reward that varies between responses (TRL's signature; hybridrl takes it unchanged)."""
+    return [(len(c) % 13) / 13.0 for c in completions]
+
+
+# ---- the workload on disk -------------------------------------------------------------------------
+
+
+def build_workload(w: Workload, out: Path, device: str) -> list[str]:
+    """Saves the random-init model and the tokenizer to `out`; returns the prompt texts (for every step)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    shape = SHAPES[w.size]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
+    vocab.update({f"t{i}": i for i in range(len(SPECIAL), shape["vocab_size"])})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|unk|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|endoftext|>", unk_token="<|unk|>", padding_side="left"
+    )
+    tokenizer.save_pretrained(out)
+    config = transformers.Qwen2Config(
+        **shape, tie_word_embeddings=True, max_position_embeddings=4096, pad_token_id=0, eos_token_id=1, bos_token_id=None
+    )
+    torch.manual_seed(42)
+    with torch.device(device):
+        model = transformers.Qwen2ForCausalLM(config)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model.to(dtype).save_pretrained(out)
+    del model
+    g = torch.Generator().manual_seed(0)
+    steps_of_prompts = 64  # distinct prompts for every step either system runs
+    ids = torch.randint(len(SPECIAL), shape["vocab_size"], (w.prompts * steps_of_prompts, w.prompt_len), generator=g)
+    return [" ".join(f"t{i}" for i in row) for row in ids.tolist()]
+
+
+def load_tokenizer(model_dir: Path):
+    """The WordLevel tokenizer as saved (AutoTokenizer would rebuild a Qwen2 BPE from the model type)."""
+    import transformers
+
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(model_dir / "tokenizer.json"), pad_token="<|pad|>", eos_token="<|endoftext|>",
+        unk_token="<|unk|>", padding_side="left",
+    )  # fmt: skip
+
+
+def physical_bound_s(w: Workload, num_params: int, weight_bytes: int) -> float:
+    """Decode reads the weights and the KV cache once per step; training is 8 N T FLOPs (6 policy, 2 reference)."""
+    if w.size == "0.5B":
+        return 1.35  # BENCHMARK.md
+    s = SHAPES[w.size]
+    head_dim = s["hidden_size"] // s["num_attention_heads"]
+    kv_per_token = 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * head_dim * 2
+    mean_context = w.prompt_len + w.max_tokens / 2
+    decode = w.max_tokens * (weight_bytes + w.responses * mean_context * kv_per_token) / HBM_BYTES_PER_S
+    train = 8 * num_params * w.responses * (w.prompt_len + w.max_tokens) / MEASURED_BF16_FLOPS
+    return decode + train
+
+
+# ---- the two halves -------------------------------------------------------------------------------
+
+
+def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, device: str, work_dir: Path) -> dict:
+    from hybridrl import RolloutEngine, TrainerEngine
+    from hybridrl.config import Config
+    from hybridrl.metrics import read_records
+    from hybridrl.models import load_causal_lm
+    from hybridrl.rollout.native.scheduler import blocks_for
+
+    block = 16
+    shared, own = blocks_for(w.prompt_len, w.max_tokens, w.n, block)
+    num_blocks = w.prompts * (shared + w.n * own) + 64  # the whole step's KV, no more (peak memory)
+    model = load_causal_lm(str(model_dir), dtype="auto", device=device)
+    engine = RolloutEngine(model, load_tokenizer(model_dir), backend="native", num_kv_blocks=num_blocks, max_num_seqs=w.responses)
+    engine.path = str(model_dir)
+    data = work_dir / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    cfg = Config()
+    cfg.model.path = str(model_dir)
+    cfg.model.gradient_checkpointing = device == "cuda"  # as TRL's GRPOConfig default
+    cfg.data.train_path = str(data)
+    cfg.data.max_prompt_length = w.prompt_len
+    cfg.rollout.n, cfg.rollout.max_tokens, cfg.rollout.temperature = w.n, w.max_tokens, 1.0
+    cfg.algorithm.name, cfg.algorithm.kl_coef, cfg.algorithm.kl_estimator = "grpo", w.beta, "k3"
+    t = cfg.train
+    t.total_steps, t.batch_size, t.lr = steps, w.responses, w.lr
+    t.max_tokens_per_micro_batch = w.max_tokens_per_micro_batch
+    t.packing, t.offload_reference = "on", device == "cuda"
+    cfg.trainer.output_dir, cfg.trainer.save_every, cfg.trainer.progress, cfg.trainer.resume = str(work_dir / "run"), 0, False, "off"
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    trainer = TrainerEngine(actor=engine, reward_fn=reward_fn, algorithm="grpo", config=cfg)
+    trainer.fit(str(data))
+    records = read_records(work_dir / "run" / "metrics.jsonl")
+    for r in records:
+        print("hybridrl step", r["step"], {k: round(v, 3) for k, v in r.items() if isinstance(v, float) and k.startswith(("timing/", "perf/", "memory/", "actor/kl"))}, flush=True)
+    later = records[1:] or records
+    mean = lambda key: sum(r[key] for r in later if r.get(key) is not None) / max(1, sum(r.get(key) is not None for r in later))  # noqa: E731
+    phases = sorted({k for r in later for k in r if k.startswith("timing/")})
+    return {
+        "step_time_s": mean("timing/step"),
+        "step_times_s": [r["timing/step"] for r in records],
+        "response_tokens_per_step": mean("rollout/response_length/mean") * w.responses,
+        "peak_allocated_gib": max(r.get("memory/peak_allocated_gib") or 0.0 for r in records) if device == "cuda" else None,
+        "phases_s": {k.removeprefix("timing/"): mean(k) for k in phases},
+        "mfu_actor": mean("perf/mfu/actor") if device == "cuda" else None,
+        "mfu_ref": mean("perf/mfu/ref") if device == "cuda" else None,
+        "kl": later[-1].get("actor/kl"),
+        "compiled_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),  # FlexAttention: no recompiles after step 1
+        "num_params": sum(p.numel() for p in engine.model.parameters()),
+        "weight_bytes": sum(p.numel() * p.element_size() for p in engine.model.parameters()),
+    }
+
+
+def run_trl(w: Workload, model_dir: Path, prompts: list[str], steps: int, device: str, work_dir: Path) -> dict:
+    import trl
+    import transformers
+    from datasets import Dataset
+
+    class StepTimer(transformers.TrainerCallback):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.start)
+
+    args = trl.GRPOConfig(
+        output_dir=str(work_dir / "trl"), max_steps=steps, learning_rate=w.lr, beta=w.beta, temperature=1.0,
+        num_generations=w.n, max_completion_length=w.max_tokens,
+        per_device_train_batch_size=w.responses // w.grad_accum, gradient_accumulation_steps=w.grad_accum,
+        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=0, lr_scheduler_type="constant",
+        bf16=device == "cuda", use_cpu=device == "cpu", dataloader_num_workers=0,
+    )  # fmt: skip
+    tokenizer = load_tokenizer(model_dir)
+    timer = StepTimer()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    trainer = trl.GRPOTrainer(
+        model=str(model_dir), reward_funcs=reward_fn, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer, callbacks=[timer],
+    )  # fmt: skip
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
+    later = timer.times[1:] or timer.times
+    mean_length = sum(h["completions/mean_length"] for h in logs) / max(1, len(logs))
+    return {
+        "version": trl.__version__,
+        "step_time_s": sum(later) / len(later),
+        "step_times_s": timer.times,
+        "response_tokens_per_step": mean_length * w.responses,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        "kl": logs[-1].get("kl") if logs else None,
+    }
+
+
+def run_half(system: str, w: Workload, model_dir: Path, prompts: list[str], steps: int, device: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        runner = run_hybridrl if system == "hybridrl" else run_trl
+        return runner(w, model_dir, prompts, steps, device, Path(tmp))
+
+
+def trl_missing() -> str | None:
+    try:
+        import trl  # noqa: F401
+    except ImportError as e:
+        return f"trl is not installed ({e})"
+    return None
+
+
+def run_in_subprocess(system: str, args, model_dir: Path) -> dict:
+    """One half in a fresh process: its own CUDA context, allocator and peak-memory counter."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = Path(f.name)
+    cmd = [sys.executable, __file__, "--worker", system, "--model-dir", str(model_dir), "--worker-out", str(out),
+           "--size", args.size, "--steps", str(args.steps if system == "hybridrl" else args.trl_steps)]  # fmt: skip
+    if args.tiny:
+        cmd.append("--tiny")
+    proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if proc.returncode != 0:
+        return {"error": f"{system} half exited with status {proc.returncode} (its output is above)"}
+    return json.loads(out.read_text())
+
+
+# ---- the table ------------------------------------------------------------------------------------
+
+
+def _fmt(value, spec: str, unit: str = "") -> str:
+    return "-" if value is None else format(value, spec) + unit
+
+
+def summarise(w: Workload, h: dict, trl: dict, bound_s: float | None) -> dict:
+    result = {"workload": asdict(w), "hybridrl": h, "trl": trl, "physical_bound_s": bound_s}
+    if "step_time_s" in h:
+        h["response_tokens_per_s"] = h["response_tokens_per_step"] / h["step_time_s"]
+        if bound_s:
+            result["hybridrl_fraction_of_bound"] = bound_s / h["step_time_s"]
+    if "step_time_s" in trl:
+        trl["response_tokens_per_s"] = trl["response_tokens_per_step"] / trl["step_time_s"]
+    if "step_time_s" in h and "step_time_s" in trl:
+        result["speedup"] = trl["step_time_s"] / h["step_time_s"]
+        result["tokens_per_s_ratio"] = h["response_tokens_per_s"] / trl["response_tokens_per_s"]
+        if h.get("peak_allocated_gib") and trl.get("peak_allocated_gib"):
+            result["memory_ratio"] = h["peak_allocated_gib"] / trl["peak_allocated_gib"]
+    return result
+
+
+def print_table(result: dict) -> None:
+    w, h, trl = result["workload"], result["hybridrl"], result["trl"]
+    title = f"W{w['size']}: {w['prompts']} prompts x {w['prompt_len']} tokens, n={w['n']}, {w['max_tokens']} new tokens, GRPO kl {w['beta']}, lr {w['lr']}"
+    print(f"\n{title}\n")
+    print("| system | step time | response tokens/s | peak allocated |")
+    print("| --- | --- | --- | --- |")
+    for name, r in (("hybridrl (native rollout)", h), (f"TRL {trl.get('version', '')} GRPOTrainer (transformers generate)", trl)):
+        if "step_time_s" not in r:
+            print(f"| {name} | not run: {r.get('skipped') or r.get('error')} | | |")
+            continue
+        print(f"| {name} | {r['step_time_s']:.2f} s | {r['response_tokens_per_s']:,.0f} | {_fmt(r.get('peak_allocated_gib'), '.1f', ' GiB')} |")
+    if "speedup" in result:
+        mem = result.get("memory_ratio")
+        print(f"| TRL / hybridrl | {result['speedup']:.1f}x shorter | {result['tokens_per_s_ratio']:.1f}x | "
+              f"{_fmt(mem, '.0%')} of TRL's |")  # fmt: skip
+    if "hybridrl_fraction_of_bound" in result:
+        print(f"\nhybridrl step at {result['hybridrl_fraction_of_bound']:.0%} of the physical bound ({result['physical_bound_s']:.2f} s)")
+    if "phases_s" in h:
+        phases = ", ".join(f"{k} {v:.3f}" for k, v in h["phases_s"].items())
+        print(f"hybridrl phases (s, mean after the first step): {phases}")
+        print(f"hybridrl MFU: actor {_fmt(h.get('mfu_actor'), '.1%')}, ref {_fmt(h.get('mfu_ref'), '.1%')}; "
+              f"step times {['%.2f' % s for s in h['step_times_s']]}")  # fmt: skip
+    if "step_times_s" in trl:
+        print(f"TRL step times {['%.2f' % s for s in trl['step_times_s']]}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=["0.5B", "1.5B"], default="0.5B")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model on CPU (CI)")
+    ap.add_argument("--steps", type=int, default=4, help="hybridrl steps (the first is not timed)")
+    ap.add_argument("--trl-steps", type=int, default=3, help="TRL steps (the first is not timed)")
+    ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--json", type=str, default=None)
+    ap.add_argument("--worker", choices=["hybridrl", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", type=str, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", type=str, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    w = workload("tiny" if args.tiny else args.size)
+    if args.worker:  # one half, in a subprocess of the invocation below
+        prompts = json.loads((Path(args.model_dir) / "prompts.json").read_text())
+        steps_prompts = prompts[: w.prompts * max(args.steps, 1) * 2]
+        result = run_half(args.worker, w, Path(args.model_dir), steps_prompts, args.steps, device)
+        Path(args.worker_out).write_text(json.dumps(result))
+        return result
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        t0 = time.perf_counter()
+        prompts = build_workload(w, model_dir, device)
+        (model_dir / "prompts.json").write_text(json.dumps(prompts))
+        print(f"[{w.size}] workload built in {time.perf_counter() - t0:.1f} s on {device}", flush=True)
+        missing = "--skip-trl" if args.skip_trl else trl_missing()
+        if device == "cuda":
+            h = run_in_subprocess("hybridrl", args, model_dir)
+            trl = {"skipped": missing} if missing else run_in_subprocess("trl", args, model_dir)
+        else:  # CPU: no memory figures to keep apart, so one process is enough (and faster for CI)
+            h = run_half("hybridrl", w, model_dir, prompts[: w.prompts * args.steps * 2], args.steps, device)
+            trl = {"skipped": missing} if missing else run_half("trl", w, model_dir, prompts[: w.prompts * args.trl_steps * 2], args.trl_steps, device)
+    bound = physical_bound_s(w, h["num_params"], h["weight_bytes"]) if device == "cuda" and "num_params" in h else None
+    result = summarise(w, h, trl, bound)
+    result["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print_table(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o)))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Log-probs and entropy of chosen tokens straight from hidden states, never holding `[N, vocab]` logits.
+
+`token_logprobs(hidden [N, H], weight [V, H], labels [N])` applies the lm_head to `chunk` tokens at a
+time. Forward keeps, per token, only logsumexp, log-prob and entropy; backward recomputes each
+chunk's logits (one GEMM) and turns them into the logit gradient in place:
+
+    z = logits / T,  p = softmax(z),  lp = z_y - logsumexp(z),  H = logsumexp(z) - sum_j p_j z_j
+    d lp / d z_j = [j = y] - p_j,     d H / d z_j = p_j (logsumexp(z) - H - z_j)
+
+So the memory of this phase is one chunk of logits in the model's dtype, whatever the batch size.
+On CUDA the per-row statistics and the gradient are one Triton pass over the chunk each
+(triton_logprobs.py); elsewhere the PyTorch functions below compute the same in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def logit_stats_torch(logits: torch.Tensor, labels: torch.Tensor, inv_temp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logsumexp, log-prob of the label, entropy) per row of `[c, V]` logits, in fp32 (fp64 for fp64)."""
+    z = _upcast(logits) * inv_temp
+    lse = torch.logsumexp(z, dim=-1)
+    lp = z.gather(-1, labels[:, None])[:, 0] - lse
+    p = torch.exp(z - lse[:, None])
+    entropy = lse - (p * z).sum(-1)
+    return lse, lp, entropy
+
+
+def logit_grad_torch(logits, labels, lse, entropy, g_lp, g_ent, inv_temp: float) -> torch.Tensor:
+    """Gradient w.r.t. the `[c, V]` logits of sum(g_lp * lp + g_ent * entropy), in the logits' dtype."""
+    z = _upcast(logits) * inv_temp
+    p = torch.exp(z - lse[:, None])
+    grad = torch.zeros_like(z)
+    if g_lp is not None:
+        grad -= p * g_lp[:, None]
+        grad.scatter_add_(1, labels[:, None], g_lp[:, None].to(z.dtype))
+    if g_ent is not None:
+        grad += g_ent[:, None] * p * ((lse - entropy)[:, None] - z)
+    return (grad * inv_temp).to(logits.dtype)
+
+
+def _use_triton(logits: torch.Tensor) -> bool:
+    if logits.device.type != "cuda":
+        return False
+    from hybridrl.train import triton_logprobs
+
+    return triton_logprobs.available()
+
+
+def logit_stats(logits, labels, inv_temp):
+    if _use_triton(logits):
+        from hybridrl.train import triton_logprobs
+
+        return triton_logprobs.logit_stats(logits, labels, inv_temp)
+    return logit_stats_torch(logits, labels, inv_temp)
+
+
+def logit_grad(logits, labels, lse, entropy, g_lp, g_ent, inv_temp):
+    if _use_triton(logits):
+        from hybridrl.train import triton_logprobs
+
+        return triton_logprobs.logit_grad_(logits, labels, lse, entropy, g_lp, g_ent, inv_temp)
+    return logit_grad_torch(logits, labels, lse, entropy, g_lp, g_ent, inv_temp)
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, inv_temp: float, chunk: int):
+        N = hidden.shape[0]
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        lse, lp, entropy = (torch.empty(N, dtype=dtype, device=hidden.device) for _ in range(3))
+        for s in range(0, N, chunk):
+            logits = F.linear(hidden[s : s + chunk], weight, bias)
+            lse[s : s + chunk], lp[s : s + chunk], entropy[s : s + chunk] = logit_stats(logits, labels[s : s + chunk], inv_temp)
+            del logits
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+        ctx.inv_temp, ctx.chunk = inv_temp, chunk
+        ctx.set_materialize_grads(False)
+        return lp, entropy
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if g_lp is None and g_ent is None:
+            return None, None, None, None, None, None
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=lse.dtype, device=weight.device) if need_b and bias is not None else None
+        chunk = ctx.chunk
+        for s in range(0, hidden.shape[0], chunk):
+            sl = slice(s, s + chunk)
+            h = hidden[sl]
+            logits = F.linear(h, weight, bias)
+            grad = logit_grad(
+                logits, labels[sl], lse[sl], entropy[sl],
+                None if g_lp is None else g_lp[sl], None if g_ent is None else g_ent[sl], ctx.inv_temp,
+            )  # fmt: skip
+            del logits
+            if grad_h is not None:
+                grad_h[sl] = grad @ weight
+            if grad_w is not None:
+                grad_w.addmm_(grad.t(), h)
+            if grad_b is not None:
+                grad_b += grad.sum(0, dtype=lse.dtype)
+        return grad_h, grad_w, grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None
+
+
+def token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, *, temperature: float = 1.0, chunk: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs `[N]` of `labels` under softmax(hidden @ weight.T + bias) / T) and the entropy `[N]` (fp32)."""
+    inv_temp = 1.0 / temperature if temperature > 0 else 1.0
+    if hidden.shape[0] == 0:  # no response tokens: empty results that still belong to the graph
+        empty = hidden[:, 0].float()
+        return empty, empty
+    return _LinearLogprobs.apply(hidden, weight, bias, labels, inv_temp, chunk)

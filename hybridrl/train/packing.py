@@ -1,0 +1,187 @@
+"""Packed rows and token-budget micro-batches: no compute on padding, each prompt computed once.
+
+A packed micro-batch is one row holding, for every prompt in it, `[prompt | response 1 | ... |
+response k]`: the k responses of a prompt share a single copy of its tokens. Every response's
+positions continue from the end of its prompt, and the attention mask (attention.py) lets a token
+see its own prompt and the earlier tokens of its own response only, so each log-prob equals the one
+of the padded layout `[left-padded prompt | right-padded response]`. At W0.5B (256 prompt + 8 x 512
+response tokens per prompt) that is 4,352 tokens per prompt instead of 8 x 768: 29% fewer.
+
+Micro-batches are formed by a token budget (`train.max_tokens_per_micro_batch`): rows are taken
+prompt group by prompt group, and a group whose responses do not all fit is continued in the next
+micro-batch (its prompt is then repeated there). Every response token is in exactly one micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from hybridrl.train.batch import SequenceBatch, split_indices
+
+
+@dataclass
+class Work:
+    """What a forward pass computes, for FLOP counting (metrics/flops.py)."""
+
+    tokens: int = 0  # tokens run through the decoder (padding excluded)
+    logit_tokens: int = 0  # tokens whose lm_head logits are computed (the response tokens)
+    attention_pairs: int = 0  # (query, key) pairs attended over, summed over queries
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(self.tokens + other.tokens, self.logit_tokens + other.logit_tokens, self.attention_pairs + other.attention_pairs)
+
+
+@dataclass
+class PackedLayout:
+    """One packed row and where its response tokens come from and go to."""
+
+    input_ids: torch.Tensor  # [1, L]
+    position_ids: torch.Tensor  # [1, L], restarting at the prompt's end for every response
+    doc_ids: torch.Tensor  # [L] prompt group of each token; -1 on the padding at the end
+    branch_ids: torch.Tensor  # [L] 0 on prompt tokens, k >= 1 on the group's k-th response
+    logit_index: torch.Tensor  # [N] row positions whose logits predict the response tokens
+    labels: torch.Tensor  # [N] the response tokens
+    target_index: torch.Tensor  # [N] b * T + t: each response token's place in the batch's [B, T]
+    num_tokens: int  # real tokens (the row is padded at the end to a multiple of the attention block)
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[1]
+
+    def to(self, device: torch.device) -> "PackedLayout":
+        return replace(self, **{k: getattr(self, k).to(device, non_blocking=True) for k in
+                                ("input_ids", "position_ids", "doc_ids", "branch_ids", "logit_index", "labels", "target_index")})  # fmt: skip
+
+
+@dataclass
+class _Rows:
+    """Per-row lengths and prompt groups of a batch, read once on the host."""
+
+    prompt_lens: list[int]
+    response_lens: list[int]
+    groups: list[list[int]]  # row indices sharing one prompt, groups in order of first appearance
+
+
+def _rows(batch: SequenceBatch) -> _Rows:
+    P = batch.prompt_width
+    mask = batch.attention_mask[:, :P].cpu()
+    prompt_lens = mask.sum(1).tolist()
+    response_lens = batch.response_mask.sum(1).long().cpu().tolist()
+    ids = batch.input_ids[:, :P].cpu().tolist()
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for b, (row, n) in enumerate(zip(ids, prompt_lens)):
+        groups.setdefault(tuple(row[P - n :]), []).append(b)
+    return _Rows(prompt_lens, response_lens, list(groups.values()))
+
+
+def pack_sequences(batch: SequenceBatch, *, pad_to_multiple: int = 1) -> PackedLayout:
+    """The batch's sequences as one packed row (on the batch's device)."""
+    rows = _rows(batch)
+    P, T = batch.prompt_width, batch.response_mask.shape[1]
+    ids_cpu = batch.input_ids.cpu()
+    pieces, positions, docs, branches, logit_index, labels, target = [], [], [], [], [], [], []
+    cursor = 0
+    for g, group in enumerate(rows.groups):
+        n_prompt = rows.prompt_lens[group[0]]
+        pieces.append(ids_cpu[group[0], P - n_prompt : P])
+        positions.append(torch.arange(n_prompt))
+        docs.append(torch.full((n_prompt,), g))
+        branches.append(torch.zeros(n_prompt, dtype=torch.long))
+        prompt_last = cursor + n_prompt - 1
+        cursor += n_prompt
+        for k, b in enumerate(group, start=1):
+            n = rows.response_lens[b]
+            if n == 0:
+                continue
+            tokens = ids_cpu[b, P : P + n]
+            pieces.append(tokens)
+            positions.append(torch.arange(n_prompt, n_prompt + n))
+            docs.append(torch.full((n,), g))
+            branches.append(torch.full((n,), k))
+            # Token t is predicted at the previous position: the prompt's last token for t = 0.
+            logit_index.append(torch.cat([torch.tensor([prompt_last]), torch.arange(cursor, cursor + n - 1)]))
+            labels.append(tokens)
+            target.append(torch.arange(b * T, b * T + n))
+            cursor += n
+    num_tokens = cursor
+    pad = -num_tokens % pad_to_multiple
+    if pad:
+        pieces.append(torch.zeros(pad, dtype=torch.long))
+        positions.append(torch.zeros(pad, dtype=torch.long))
+        docs.append(torch.full((pad,), -1))
+        branches.append(torch.zeros(pad, dtype=torch.long))
+    empty = torch.zeros(0, dtype=torch.long)
+    layout = PackedLayout(
+        input_ids=torch.cat(pieces)[None],
+        position_ids=torch.cat(positions)[None],
+        doc_ids=torch.cat(docs),
+        branch_ids=torch.cat(branches),
+        logit_index=torch.cat(logit_index) if logit_index else empty,
+        labels=torch.cat(labels) if labels else empty,
+        target_index=torch.cat(target) if target else empty,
+        num_tokens=num_tokens,
+    )
+    return layout.to(batch.input_ids.device)
+
+
+def _group_cost(prompt_len: int, response_lens: list[int]) -> tuple[int, int]:
+    """(tokens, attention pairs) of one prompt and the responses that share it."""
+    tokens = prompt_len + sum(response_lens)
+    pairs = prompt_len * (prompt_len + 1) // 2 + sum(r * prompt_len + r * (r + 1) // 2 for r in response_lens)
+    return tokens, pairs
+
+
+def micro_batch_work(batch: SequenceBatch) -> Work:
+    """Tokens, logit tokens and attention pairs a forward pass over `batch` computes."""
+    rows = _rows(batch)
+    logit_tokens = sum(rows.response_lens)
+    if batch.packed:
+        costs = [_group_cost(rows.prompt_lens[g[0]], [rows.response_lens[b] for b in g]) for g in rows.groups]
+    else:  # the padded layout: every row attends over its own prompt and response (padding not counted)
+        costs = [_group_cost(rows.prompt_lens[b] + rows.response_lens[b], []) for b in range(batch.size)]
+    return Work(sum(c[0] for c in costs), logit_tokens, sum(c[1] for c in costs))
+
+
+def plan_micro_batches(batch: SequenceBatch, *, micro_batch_size: int, max_tokens: int | None) -> list[list[int]]:
+    """Row indices of each micro-batch: by token budget when `max_tokens` is set, else `micro_batch_size` rows.
+
+    Packed batches keep the rows of a prompt together (their prompt is computed once per micro-batch);
+    a micro-batch costs its packed tokens. Padded micro-batches cost rows x (widest prompt + widest
+    response). A single response over the budget gets a micro-batch of its own.
+    """
+    rows = _rows(batch)
+    order = [b for g in rows.groups for b in g] if batch.packed else list(range(batch.size))
+    if not max_tokens:
+        return [[order[i] for i in idx] for idx in split_indices(len(order), micro_batch_size)]
+    group_of = {b: g for g, group in enumerate(rows.groups) for b in group}
+    plans: list[list[int]] = []
+    current: list[int] = []
+    used, open_groups, widest_prompt, widest_response = 0, set(), 0, 0
+    for b in order:
+        p, r = rows.prompt_lens[b], rows.response_lens[b]
+        if batch.packed:
+            cost = used + r + (0 if group_of[b] in open_groups else p)
+        else:
+            cost = (len(current) + 1) * (max(widest_prompt, p) + max(widest_response, r))
+        if current and cost > max_tokens:
+            plans.append(current)
+            current, used, open_groups, widest_prompt, widest_response = [], 0, set(), 0, 0
+            cost = r + p if batch.packed else p + r
+        current.append(b)
+        used = cost
+        open_groups.add(group_of[b])
+        widest_prompt, widest_response = max(widest_prompt, p), max(widest_response, r)
+    if current:
+        plans.append(current)
+    return plans
+
+
+def micro_batches(batch: SequenceBatch, *, micro_batch_size: int, max_tokens: int | None) -> list[tuple[list[int], SequenceBatch]]:
+    """(row indices, micro-batch) pairs covering the batch, each micro-batch trimmed of padding."""
+    return [(idx, batch.select(idx)) for idx in plan_micro_batches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)]
+
+
+def with_packing(batch: SequenceBatch, packed: bool) -> SequenceBatch:
+    return replace(batch, packed=packed)

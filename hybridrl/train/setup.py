@@ -1,0 +1,42 @@
+"""How the trained model runs: packed attention, gradient checkpointing, torch.compile."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+
+from hybridrl.config import TrainConfig
+from hybridrl.train.attention import enable_packed_attention, supports_packing
+
+log = logging.getLogger("hybridrl.train")
+
+
+def prepare_for_training(model: torch.nn.Module, train: TrainConfig, *, gradient_checkpointing: bool) -> bool:
+    """Applies `model.gradient_checkpointing` and `train.packing`; returns whether batches are packed.
+
+    Packing "auto" is on for CUDA models with sdpa or eager attention (on CPU the dense packed mask
+    costs more than the padding it saves on short sequences).
+    """
+    if gradient_checkpointing:
+        with warnings.catch_warnings():  # renamed activation_checkpointing_enable after 5.17, which has only this name
+            warnings.simplefilter("ignore", FutureWarning)
+            # Non-reentrant: works with frozen inputs and keyword arguments (the packed attention mask).
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    packed = train.packing == "on" or (train.packing == "auto" and on_cuda and supports_packing(model))
+    if packed:
+        enable_packed_attention(model)
+    return packed
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """`torch.compile` of every decoder layer (`train.compile`): one compiled graph serves all layers."""
+    base = getattr(model, model.base_model_prefix)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"train.compile: {type(model).__name__} has no `{model.base_model_prefix}.layers`; set train.compile=false")
+    for layer in layers:
+        layer.compile()
+    log.info("train.compile: %d decoder layers compiled on first use", len(layers))

@@ -1,0 +1,101 @@
+"""Triton kernels for lm_head.py: one pass over a chunk of logits for the statistics, one for the gradient.
+
+The PyTorch reference (lm_head.logit_stats_torch / logit_grad_torch) makes about ten fp32 passes over
+`[c, V]`; these read the model-dtype logits once (and write the gradient over them), which is what
+keeps the log-prob phase off the memory-bandwidth floor at a 152k vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: lm_head.py uses the PyTorch path
+    triton = None
+
+BLOCK_V = 4096
+NUM_WARPS = 8
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _stats_kernel(logits_ptr, stride, labels_ptr, lse_ptr, lp_ptr, ent_ptr, inv_temp, V: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = logits_ptr + row * stride
+        m = tl.full((), float("-inf"), tl.float32)  # running max of z
+        s = tl.zeros((), tl.float32)  # sum exp(z - m)
+        a = tl.zeros((), tl.float32)  # sum exp(z - m) * z
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            valid = cols < V
+            z = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
+            m_new = tl.maximum(m, tl.max(z, 0))
+            scale = tl.exp(m - m_new)
+            e = tl.where(valid, tl.exp(z - m_new), 0.0)
+            s = s * scale + tl.sum(e, 0)
+            a = a * scale + tl.sum(tl.where(valid, e * z, 0.0), 0)
+            m = m_new
+        lse = m + tl.log(s)
+        label = tl.load(labels_ptr + row)
+        z_label = tl.load(base + label).to(tl.float32) * inv_temp
+        tl.store(lse_ptr + row, lse)
+        tl.store(lp_ptr + row, z_label - lse)
+        tl.store(ent_ptr + row, lse - a / s)
+
+    @triton.jit
+    def _grad_kernel(
+        logits_ptr, stride, labels_ptr, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr, inv_temp, V: tl.constexpr,
+        HAS_LP: tl.constexpr, HAS_ENT: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        base = logits_ptr + row * stride
+        lse = tl.load(lse_ptr + row)
+        label = tl.load(labels_ptr + row)
+        g_lp = 0.0
+        g_ent = 0.0
+        centre = 0.0  # sum_j p_j z_j = logsumexp - entropy
+        if HAS_LP:
+            g_lp = tl.load(g_lp_ptr + row)
+        if HAS_ENT:
+            g_ent = tl.load(g_ent_ptr + row)
+            centre = lse - tl.load(ent_ptr + row)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            valid = cols < V
+            z = tl.load(base + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp
+            p = tl.exp(z - lse)
+            grad = tl.where(cols == label, g_lp, 0.0) - g_lp * p
+            if HAS_ENT:
+                grad += g_ent * p * (centre - z)
+            tl.store(base + cols, (grad * inv_temp).to(logits_ptr.dtype.element_ty), mask=valid)
+
+
+def logit_stats(logits: torch.Tensor, labels: torch.Tensor, inv_temp: float):
+    assert logits.stride(-1) == 1
+    rows, V = logits.shape
+    lse, lp, ent = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3))
+    if rows:
+        _stats_kernel[(rows,)](logits, logits.stride(0), labels, lse, lp, ent, inv_temp, V=V, BLOCK=BLOCK_V, num_warps=NUM_WARPS)
+    return lse, lp, ent
+
+
+def logit_grad_(logits: torch.Tensor, labels, lse, entropy, g_lp, g_ent, inv_temp: float) -> torch.Tensor:
+    """Overwrites `logits` with the gradient (see lm_head.logit_grad_torch) and returns it."""
+    assert logits.stride(-1) == 1
+    rows, V = logits.shape
+    dummy = lse  # unused pointer when a gradient is absent
+    g_lp_f = g_lp.float().contiguous() if g_lp is not None else dummy
+    g_ent_f = g_ent.float().contiguous() if g_ent is not None else dummy
+    if rows:
+        _grad_kernel[(rows,)](
+            logits, logits.stride(0), labels, lse, entropy, g_lp_f, g_ent_f, inv_temp, V=V,
+            HAS_LP=g_lp is not None, HAS_ENT=g_ent is not None, BLOCK=BLOCK_V, num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return logits

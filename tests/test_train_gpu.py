@@ -1,0 +1,143 @@
+"""The trainer's GPU paths: Triton log-prob kernels, FlexAttention packing, memory, master weights, offload.
+
+Skipped without a CUDA GPU; the kernel tests also run on CPU under Triton's interpreter
+(TRITON_INTERPRET=1 with triton installed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import transformers
+
+from hybridrl.train.attention import enable_packed_attention
+from hybridrl.train.batch import build_sequence_batch
+from hybridrl.train.lm_head import logit_grad_torch, logit_stats_torch, token_logprobs
+from hybridrl.train.logprobs import response_logprobs
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inv_temp", [1.0, 1.25])
+@pytest.mark.parametrize("grads", ["lp", "ent", "both"])
+def test_triton_kernels_match_the_torch_reference(dtype, inv_temp, grads):
+    pytest.importorskip("triton")
+    from hybridrl.train import triton_logprobs
+
+    device = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(0)
+    rows, V = 7, 5000 if CUDA else 300  # V spans several kernel blocks (BLOCK_V) on the GPU
+    logits = (torch.randn(rows, V, generator=g) * 4).to(device, dtype)
+    labels = torch.randint(0, V, (rows,), generator=g).to(device)
+    lse, lp, ent = triton_logprobs.logit_stats(logits, labels, inv_temp)
+    ref = logit_stats_torch(logits, labels, inv_temp)
+    for got, want in zip((lse, lp, ent), ref):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    g_lp = torch.randn(rows, generator=g).to(device) if grads in ("lp", "both") else None
+    g_ent = torch.randn(rows, generator=g).to(device) if grads in ("ent", "both") else None
+    want = logit_grad_torch(logits, labels, ref[0], ref[2], g_lp, g_ent, inv_temp)
+    got = triton_logprobs.logit_grad_(logits.clone(), labels, ref[0], ref[2], g_lp, g_ent, inv_temp)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def _model(dtype):
+    config = transformers.Qwen2Config(vocab_size=3000, hidden_size=448, intermediate_size=512, num_hidden_layers=3,
+                                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048,
+                                      tie_word_embeddings=True, attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(config).to("cuda", dtype)
+
+
+def _batch(num_prompts=3, n=4):
+    g = torch.Generator().manual_seed(1)
+    prompts, responses = [], []
+    for i in range(num_prompts):
+        prompt = torch.randint(3, 3000, (100 + 37 * i,), generator=g).tolist()
+        for _ in range(n):
+            prompts.append(prompt)
+            responses.append(torch.randint(3, 3000, (int(torch.randint(1, 300, (1,), generator=g)),), generator=g).tolist())
+    return build_sequence_batch(prompts, responses, pad_id=0).to(torch.device("cuda"))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_packed_logprobs_and_gradients_match_padded(dtype):
+    model = _model(dtype).train()
+    enable_packed_attention(model)
+    batch = _batch()
+    params = [p for p in model.parameters()]
+    lp_pad, ent_pad = response_logprobs(model, batch, with_entropy=True)
+    g_pad = torch.autograd.grad(lp_pad.sum() + ent_pad.sum(), params)
+    lp_pack, ent_pack = response_logprobs(model, dataclasses.replace(batch, packed=True), with_entropy=True)
+    g_pack = torch.autograd.grad(lp_pack.sum() + ent_pack.sum(), params)
+    atol = 2e-4 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(lp_pack, lp_pad, atol=atol, rtol=0)
+    torch.testing.assert_close(ent_pack, ent_pad, atol=atol, rtol=0)
+    if dtype == torch.float32:
+        for a, b in zip(g_pack, g_pad):
+            torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    else:  # bf16: mean differences, not the worst element
+        assert (lp_pack - lp_pad).abs().sum() / batch.response_mask.sum() < 2e-2
+
+
+@gpu
+def test_logprob_phase_memory_does_not_grow_with_tokens_times_vocab():
+    """Peak memory of forward + backward over N tokens at a 152k vocabulary: full logits would be
+    N x V x 4 bytes (9.3 GiB at N = 16k); the chunked phase stays near one chunk of logits."""
+    V, H, chunk = 151936, 896, 1024
+    weight = (torch.randn(V, H, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
+    peaks = {}
+    for N in (4096, 16384):
+        hidden = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.randint(0, V, (N,), device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        lp, ent = token_logprobs(hidden, weight, None, labels, chunk=chunk)
+        (lp.sum() + ent.sum()).backward()
+        torch.cuda.synchronize()
+        peaks[N] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        del hidden, lp, ent
+        weight.grad = None
+    full_logits_gib = 16384 * V * 4 / 2**30
+    assert peaks[16384] < 1.5, peaks  # one chunk of bf16 logits (0.3 GiB) + the weight's gradient (0.25 GiB)
+    assert peaks[16384] - peaks[4096] < 0.2, peaks  # 4x the tokens: only the [N, H] tensors grow
+    assert peaks[16384] < full_logits_gib / 6
+
+
+@gpu
+def test_master_weights_are_fused_adamw_on_gpu():
+    from hybridrl.train.optim import build_optimizer
+    from hybridrl.train.precision import MasterWeightAdamW
+
+    model = _model(torch.bfloat16)
+    opt = build_optimizer(model, lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    assert isinstance(opt, MasterWeightAdamW) and opt.defaults["fused"]
+    response_logprobs(model, _batch(1, 2))[0].sum().backward()
+    opt.step()
+    for p, m in zip(opt.model_params, opt.master_params):
+        assert torch.equal(p, m.to(torch.bfloat16))
+
+
+@gpu
+def test_reference_offload_moves_weights_to_pinned_host_memory():
+    from hybridrl.train.reference import OffloadedWeights, weights_on_device
+
+    model = _model(torch.bfloat16).eval().requires_grad_(False)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    offloaded = OffloadedWeights(model)
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in model.parameters())
+    assert torch.cuda.memory_allocated() < before
+    with weights_on_device(offloaded):
+        assert all(p.device.type == "cuda" for p in model.parameters())
+        response_logprobs(model, _batch(1, 2))
+    assert all(p.device.type == "cpu" for p in model.parameters())

@@ -1,0 +1,73 @@
+"""No wasted passes: skipping the old-log-prob pass on-policy changes no result; the reference pass
+shares the old-log-prob forward structure and can be offloaded."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hybridrl.config import AlgorithmConfig, TrainConfig
+from hybridrl.train.attention import enable_packed_attention
+from hybridrl.train.batch import build_sequence_batch
+from hybridrl.train.optim import build_optimizer, build_scheduler
+from hybridrl.train.policy import PolicyTrainer, batched_logprobs
+from hybridrl.train.reference import OffloadedWeights, weights_on_device
+
+
+def _batch(packed: bool):
+    g = torch.Generator().manual_seed(0)
+    prompts, responses = [], []
+    for i in range(4):
+        prompt = torch.randint(5, 100, (4 + i,), generator=g).tolist()
+        for _ in range(4):
+            prompts.append(prompt)
+            responses.append(torch.randint(5, 100, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist())
+    batch = dataclasses.replace(build_sequence_batch(prompts, responses, pad_id=0), packed=packed)
+    batch["advantages"] = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
+    return batch
+
+
+def _trainer(model, **train):
+    cfg = TrainConfig(batch_size=16, micro_batch_size=8, lr=1e-3, **train)
+    opt = build_optimizer(model, lr=cfg.lr, weight_decay=0.0, betas=cfg.adam_betas, eps=cfg.adam_eps)
+    sched = build_scheduler(opt, warmup_steps=0, total_steps=10, schedule="constant")
+    return PolicyTrainer(model, opt, sched, cfg, AlgorithmConfig(kl_coef=0.1), temperature=1.0)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_skipping_the_old_logprob_pass_on_policy_changes_no_result(tiny_model_path, packed):
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    enable_packed_attention(base)
+    reference = copy.deepcopy(base).requires_grad_(False)
+    with_pass, skipped = copy.deepcopy(base), copy.deepcopy(base)
+    batch = _batch(packed)
+    batch["ref_logprobs"], _ = batched_logprobs(reference, batch, micro_batch_size=8, temperature=1.0, max_tokens=40)
+
+    full = copy.copy(batch)
+    full.tensors = dict(batch.tensors)
+    full["old_logprobs"], _ = batched_logprobs(with_pass, batch, micro_batch_size=8, temperature=1.0, max_tokens=40)
+    metrics_a, _ = _trainer(with_pass, max_tokens_per_micro_batch=40).update(full, shuffle_seed=0)
+    metrics_b, _ = _trainer(skipped, max_tokens_per_micro_batch=40).update(batch, shuffle_seed=0)
+
+    for key in ("actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/kl", "actor/entropy", "actor/grad_norm"):
+        assert metrics_a[key] == pytest.approx(metrics_b[key], abs=1e-6), key
+    assert metrics_a["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-7)
+    for pa, pb in zip(with_pass.parameters(), skipped.parameters()):
+        torch.testing.assert_close(pa, pb, atol=1e-6, rtol=0)
+
+
+def test_reference_offload_keeps_weights_off_device_between_uses(tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval().requires_grad_(False)
+    expected = [p.detach().clone() for p in model.parameters()]
+    batch = _batch(packed=False)
+    want, _ = batched_logprobs(model, batch, micro_batch_size=8, temperature=1.0)
+    offloaded = OffloadedWeights(model)  # on CPU the "device" is the host: checked on a GPU in test_train_gpu.py
+    with weights_on_device(offloaded):
+        got, _ = batched_logprobs(model, batch, micro_batch_size=8, temperature=1.0)
+    assert [p.data_ptr() for p in model.parameters()] == [h.data_ptr() for h in offloaded.host]
+    assert all(torch.equal(p, e) for p, e in zip(model.parameters(), expected))
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

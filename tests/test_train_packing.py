@@ -1,0 +1,150 @@
+"""Packed rows (each prompt once, responses after it) against the padded layout; token-budget micro-batches."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hybridrl.models import load_critic
+from hybridrl.train.attention import BLOCK, _block_mask, enable_packed_attention, packed_attention_mask
+from hybridrl.train.batch import build_sequence_batch
+from hybridrl.train.logprobs import response_logprobs, response_values
+from hybridrl.train.packing import micro_batch_work, pack_sequences, plan_micro_batches
+
+
+def _batch(num_prompts=4, n=3, seed=0, max_response=7):
+    """Prompts of different lengths, n responses each (some empty), as an RL step makes them."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses = [], []
+    for i in range(num_prompts):
+        prompt = torch.randint(5, 100, (3 + 2 * i,), generator=g).tolist()
+        for _ in range(n):
+            length = int(torch.randint(0, max_response + 1, (1,), generator=g))
+            prompts.append(prompt)
+            responses.append(torch.randint(5, 100, (length,), generator=g).tolist())
+    return build_sequence_batch(prompts, responses, pad_id=0)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path):
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    enable_packed_attention(m)
+    return m
+
+
+def test_packed_and_padded_logprobs_entropy_and_gradients_agree(model):
+    batch = _batch()
+    packed = dataclasses.replace(batch, packed=True)
+    lp_pad, ent_pad = response_logprobs(model, batch, with_entropy=True)
+    grads_pad = torch.autograd.grad((lp_pad.sum() + ent_pad.sum()), list(model.parameters()))
+    lp_pack, ent_pack = response_logprobs(model, packed, with_entropy=True)
+    grads_pack = torch.autograd.grad((lp_pack.sum() + ent_pack.sum()), list(model.parameters()))
+    assert (lp_pad != 0).sum() == batch.num_response_tokens
+    torch.testing.assert_close(lp_pack, lp_pad, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent_pack, ent_pad, atol=1e-5, rtol=0)
+    for gp, gq in zip(grads_pad, grads_pack):
+        torch.testing.assert_close(gq, gp, atol=1e-4, rtol=1e-4)
+
+
+def test_packed_and_padded_critic_values_agree(tiny_model_path):
+    critic = load_critic(str(tiny_model_path), device="cpu")
+    torch.nn.init.normal_(critic.score.weight)  # a zero head would agree trivially
+    enable_packed_attention(critic)
+    batch = _batch(seed=1)
+    with torch.no_grad():
+        padded = response_values(critic, batch)
+        packed = response_values(critic, dataclasses.replace(batch, packed=True))
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+
+
+def test_packed_row_holds_each_prompt_once_and_isolates_responses():
+    # One prompt [5, 6, 7] with responses [10, 11] and [12]; a second prompt [8] with response [13].
+    batch = build_sequence_batch([[5, 6, 7], [5, 6, 7], [8]], [[10, 11], [12], [13]], pad_id=0)
+    layout = pack_sequences(batch)
+    assert layout.input_ids[0].tolist() == [5, 6, 7, 10, 11, 12, 8, 13]
+    assert layout.position_ids[0].tolist() == [0, 1, 2, 3, 4, 3, 0, 1]
+    assert layout.labels.tolist() == [10, 11, 12, 13]
+    assert layout.logit_index.tolist() == [2, 3, 2, 6]  # the token before each response token
+    T = batch.response_mask.shape[1]
+    assert layout.target_index.tolist() == [0, 1, 1 * T, 2 * T]
+    mask = packed_attention_mask(layout)[0, 0]
+    # token 5 (response 2, "12") sees the prompt and itself, not response 1 ("10", "11")
+    assert mask[5].tolist() == [True, True, True, False, False, True, False, False]
+    assert mask[7].tolist() == [False] * 6 + [True, True]  # the second prompt's response sees only its prompt
+
+
+def test_block_mask_classifies_every_tile_like_the_dense_mask():
+    """The FlexAttention block mask built for CUDA: a tile it skips is all-masked in the dense mask,
+    a tile it marks full is all-visible, and its mask_mod is the dense mask."""
+    g = torch.Generator().manual_seed(0)
+    long_prompt, short_prompt = torch.randint(5, 100, (300,), generator=g).tolist(), [7] * 40
+    batch = build_sequence_batch([long_prompt, long_prompt, short_prompt], [list(range(5, 265)), [9] * 93, [8] * 21], pad_id=0)
+    layout = pack_sequences(batch, pad_to_multiple=BLOCK)
+    block_mask = _block_mask(layout, layout.length, torch.device("cpu"))
+    dense = packed_attention_mask(layout)[0, 0]
+    nb = layout.length // BLOCK
+    tiles = dense.view(nb, BLOCK, nb, BLOCK).permute(0, 2, 1, 3).flatten(2)  # [q tile, kv tile, BLOCK^2]
+
+    def listed(counts, indices):
+        out = torch.zeros(nb, nb, dtype=torch.bool)
+        for q in range(nb):
+            out[q, indices[0, 0, q, : counts[0, 0, q]].long()] = True
+        return out
+
+    partial = listed(block_mask.kv_num_blocks, block_mask.kv_indices)
+    full = listed(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    assert full.any() and partial.any() and not (full & partial).any()
+    assert tiles[full].all()
+    assert not tiles[~(full | partial)].any()
+    assert tiles[partial].any(-1).all() and not tiles[partial].all(-1).any()
+    q, kv = torch.meshgrid(torch.arange(layout.length), torch.arange(layout.length), indexing="ij")
+    assert torch.equal(block_mask.mask_mod(0, 0, q, kv), dense)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("budget", [8, 20, 37, 1000])
+def test_token_budget_micro_batches_cover_every_token_exactly_once(packed, budget):
+    batch = dataclasses.replace(_batch(num_prompts=5, n=4, seed=3, max_response=9), packed=packed)
+    plans = plan_micro_batches(batch, micro_batch_size=4, max_tokens=budget)
+    rows = [b for plan in plans for b in plan]
+    assert sorted(rows) == list(range(batch.size))  # every row once
+    seen = torch.zeros_like(batch.response_mask)
+    for plan in plans:
+        micro = batch.select(plan)
+        tokens = micro_batch_work(micro).tokens
+        if packed:
+            layout = pack_sequences(micro)
+            assert layout.num_tokens == tokens
+            T = micro.response_mask.shape[1]
+            for flat in layout.target_index.tolist():
+                seen[plan[flat // T], flat % T] += 1
+        else:
+            seen[plan] += torch.nn.functional.pad(micro.response_mask, (0, seen.shape[1] - micro.response_mask.shape[1]))
+            tokens = micro.size * micro.input_ids.shape[1]  # padded: what the forward really runs
+        single = len(plan) == 1
+        assert tokens <= budget or single, (plan, tokens, budget)
+    assert torch.equal(seen, batch.response_mask)  # every response token exactly once
+
+
+def test_fixed_count_micro_batches_keep_prompt_groups_together():
+    batch = dataclasses.replace(_batch(num_prompts=3, n=2), packed=True)
+    order = torch.randperm(batch.size, generator=torch.Generator().manual_seed(0)).tolist()
+    shuffled = batch.select(order)
+    plans = plan_micro_batches(shuffled, micro_batch_size=2, max_tokens=None)
+    assert all(len(p) == 2 for p in plans)
+    for plan in plans:  # each micro-batch is the two responses of one prompt: one prompt copy
+        micro = shuffled.select(plan)
+        assert len(set(map(tuple, micro.input_ids[:, : micro.prompt_width].tolist()))) == 1
+
+
+def test_work_counts_a_shared_prompt_once():
+    batch = build_sequence_batch([[1, 2, 3, 4]] * 2, [[5, 6], [7]], pad_id=0)
+    padded = micro_batch_work(batch)
+    packed = micro_batch_work(dataclasses.replace(batch, packed=True))
+    assert (padded.tokens, packed.tokens, packed.logit_tokens) == (6 + 5, 4 + 3, 3)
+    # pairs: prompt 4*5/2 = 10; responses 2*4 + 3 = 11 and 1*4 + 1 = 5
+    assert packed.attention_pairs == 26
+    assert padded.attention_pairs == 6 * 7 // 2 + 5 * 6 // 2
