@@ -79,3 +79,19 @@ def test_ppo_with_learned_reward_and_streamed_function_resumes_exactly(tmp_path,
             "reward/overlap_ratio", "critic/vf_loss"} <= set(records[-1])
     state = json.loads((tmp_path / "b" / "run" / "checkpoints" / "step_000002" / "state.json").read_text())
     assert state["reward"]["reward_model"]["normalizer"]["count"] == 2 * 16
+
+
+def test_rlhf_example_smoke(tmp_path):
+    """examples/rlhf/run.py --smoke: SFT -> reward model -> PPO, two steps each."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rlhf_run", TINY_MODEL.parents[2] / "examples" / "rlhf" / "run.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    threads = torch.get_num_threads()
+    try:
+        figures = example.main(["--smoke", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)  # the example's configs ask for one thread
+    assert set(figures) == {"sft_loss", "rm_pairs", "rm_accuracy", "learned_reward", "true_accuracy", "minutes"}
+    assert (tmp_path / "reward-model" / "config.json").is_file()

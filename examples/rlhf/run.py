@@ -1,20 +1,23 @@
 """RLHF on the tiny arithmetic model, on CPU, end to end: SFT -> reward model -> PPO against it.
 
-    .venv/bin/python examples/rlhf/run.py              # the full run (minutes on 2 cores)
+    .venv/bin/python examples/rlhf/run.py              # the full run (about 5 minutes on 2 cores)
     .venv/bin/python examples/rlhf/run.py --smoke      # two steps per stage: checks the pipeline
 
-Each stage is one of the configs beside this file, so the same run works from the command line:
+1. SFT (sft.yaml): the shipped tiny model (partly trained on purpose) trained on correct answers.
+2. Reward model (rm.yaml): the SFT model with a scalar head, Bradley-Terry loss on synthetic
+   preferences where the correct answer is always chosen. Rejected: a plausible wrong answer
+   (`make_arith_preference_rows`: digits swapped, or off by 1-3), a malformed one (a digit dropped
+   or added, a random number), and the SFT model's own wrong samples; the true answer plays the
+   human labeller. With plausible wrong answers alone the reward model reaches 0.9 on them but
+   has never seen the policy's mistakes (mostly a wrong carry in the tens digit), and PPO soon
+   finds answers it scores highly ("4" for 46+2=, 178 for 72+98=).
+3. PPO with a critic (ppo.yaml), from the SFT model, against the learned reward model alone (PPO
+   never sees the answers), with a KL penalty to the SFT policy in the reward.
 
-    hybridrl make-data arith-sft runs/rlhf/data/sft
-    hybridrl make-data arith-preference runs/rlhf/data/preference
-    hybridrl make-data arith runs/rlhf/data/prompts
-    hybridrl train examples/rlhf/sft.yaml && hybridrl export runs/rlhf/sft/checkpoints runs/rlhf/sft-model
-    hybridrl train examples/rlhf/rm.yaml  && hybridrl export runs/rlhf/rm/checkpoints runs/rlhf/reward-model
-    hybridrl train examples/rlhf/ppo.yaml
-
-PPO never sees the true answers: its only reward is the learned reward model's score. This script
-also measures what PPO cannot: the true held-out greedy accuracy (the `arith` scorer) before and
-after, next to the reward model's held-out pairwise accuracy and the learned reward.
+It prints the reward model's held-out pairwise accuracy (on plausible wrong answers), and the
+learned reward and true held-out greedy accuracy (the `arith` scorer) before and after PPO. The
+three configs are ordinary `hybridrl train` configs; this script passes them the paths under
+--out and writes the data, including the SFT model's mistakes, which need the SFT model.
 """
 
 from __future__ import annotations
@@ -33,17 +36,18 @@ from hybridrl.config import load_config
 from hybridrl.data import arith_sft_rows, load_prompt_dataset, make_arith_preference_rows, make_arith_rows
 from hybridrl.models.tiny import EOS_TOKEN
 from hybridrl.reward import RewardEngine
+from hybridrl.rollout import RolloutEngine
 
 HERE = Path(__file__).resolve().parent
 TINY_MODEL = HERE.parents[1] / "hybridrl" / "assets" / "tiny-arith"
-MALFORMED_SHARE = 0.5  # training prompts that also get a malformed wrong answer
+MALFORMED_SHARE = 0.25  # share of training prompts that also get a malformed wrong answer
+POLICY_PROMPTS = 2000  # training prompts the SFT model answers (4 samples each) for its own wrong answers
 SMOKE = ["train.total_steps=2", "trainer.save_every=2", "trainer.eval_samples=16", "trainer.progress=false"]
 
 
+# ---- data ------------------------------------------------------------------------------------
 def malformed_answer(answer: str, rng: np.random.Generator) -> str:
-    """A wrong answer of the wrong shape, unlike make_arith_preference_rows' plausible ones: a digit
-    dropped or added, or a random number. Without these the reward model has never seen a short
-    answer, and PPO learns to answer "4" to 46+2= (a classic reward hack)."""
+    """A wrong answer of the wrong shape: a digit dropped or added, or a random number."""
     while True:
         kind, digits = int(rng.integers(3)), list(answer)
         if kind == 0 and len(digits) > 1:
@@ -53,38 +57,51 @@ def malformed_answer(answer: str, rng: np.random.Generator) -> str:
         else:
             digits = list(str(int(rng.integers(1000))))
         wrong = "".join(digits)
-        if wrong != answer and wrong.lstrip("0") != answer:
+        if wrong.lstrip("0") != answer.lstrip("0"):
             return wrong
 
 
-def preference_rows(rows: list[dict], seed: int, malformed_share: float) -> list[dict]:
-    """Correct answer chosen; rejected: a plausible wrong answer, plus a malformed one for a share of the prompts."""
+def synthetic_preferences(rows: list[dict], seed: int, malformed_share: float) -> list[dict]:
+    """The correct answer chosen over a plausible wrong one; for a share of prompts, also over a malformed one."""
     rng = np.random.default_rng(seed)
-    extra = [{"prompt": r["prompt"], "chosen": r["ground_truth"], "rejected": malformed_answer(r["ground_truth"], rng)}
-             for r in rows if rng.random() < malformed_share]
-    out = make_arith_preference_rows(rows, seed=seed) + extra
-    rng.shuffle(out)
-    return out
+    malformed = [{"prompt": r["prompt"], "chosen": r["ground_truth"], "rejected": malformed_answer(r["ground_truth"], rng)}
+                 for r in rows if rng.random() < malformed_share]
+    return make_arith_preference_rows(rows, seed=seed) + malformed
+
+
+def policy_preferences(model_dir: Path, rows: list[dict], seed: int, n: int = 4) -> list[dict]:
+    """The correct answer chosen over each distinct wrong answer the model samples (temperature 1)."""
+    engine = RolloutEngine.from_hf(str(model_dir), backend="hf", device="cpu")
+    samples = engine.generate([r["prompt"] for r in rows], n=n, max_tokens=6, temperature=1.0, seed=seed)
+    pairs: dict[tuple[str, str], dict] = {}
+    for s in samples:
+        row = rows[s.prompt_index]
+        if s.response.strip() and s.response.strip() != row["ground_truth"]:
+            pairs[row["prompt"], s.response] = {"prompt": row["prompt"], "chosen": row["ground_truth"], "rejected": s.response}
+    return list(pairs.values())
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
 
 
 def write_data(out: Path, num_train: int, num_test: int) -> dict[str, Path]:
-    """The three datasets: SFT rows, preference pairs (correct answer chosen), prompts for PPO.
-    Held-out pairs are plausible wrong answers only: the harder test."""
-    transforms = {
-        "sft": lambda rows, seed, split: arith_sft_rows(rows, EOS_TOKEN),
-        "preference": lambda rows, seed, split: preference_rows(rows, seed, MALFORMED_SHARE if split == "train" else 0.0),
-        "prompts": lambda rows, seed, split: rows,
+    """SFT rows, synthetic preference pairs (held-out: plausible wrong answers only), prompts for PPO."""
+    train = {name: make_arith_rows(num_train, seed=seed, split="train") for seed, name in enumerate(("sft", "rm", "ppo"))}
+    test = {name: make_arith_rows(num_test, seed=seed, split="test") for seed, name in enumerate(("sft", "rm", "ppo"))}
+    return {
+        "sft/train": write_rows(out / "sft" / "train.jsonl", arith_sft_rows(train["sft"], EOS_TOKEN)),
+        "sft/test": write_rows(out / "sft" / "test.jsonl", arith_sft_rows(test["sft"], EOS_TOKEN)),
+        "preference/train": write_rows(out / "preference" / "train.jsonl", synthetic_preferences(train["rm"], 1, MALFORMED_SHARE)),
+        "preference/test": write_rows(out / "preference" / "test.jsonl", make_arith_preference_rows(test["rm"], seed=1)),
+        "prompts/train": write_rows(out / "prompts" / "train.jsonl", train["ppo"]),
+        "prompts/test": write_rows(out / "prompts" / "test.jsonl", test["ppo"]),
     }
-    paths = {}
-    for seed, (name, transform) in enumerate(transforms.items()):
-        (out / name).mkdir(parents=True, exist_ok=True)
-        for split, num in (("train", num_train), ("test", num_test)):
-            rows = transform(make_arith_rows(num, seed=seed, split=split), seed, split)
-            path = paths[f"{name}/{split}"] = out / name / f"{split}.jsonl"
-            path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    return paths
 
 
+# ---- stages ----------------------------------------------------------------------------------
 def run_stage(config: str, overrides: list[str]) -> dict:
     return build_trainer(load_config(HERE / config, overrides)).fit()
 
@@ -112,37 +129,38 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     out = Path(args.out)
     start = time.perf_counter()
-    num_test = 16 if args.smoke else 200
-    data = write_data(out / "data", num_train=64 if args.smoke else 5000, num_test=num_test)
+    num_train, num_test = (64, 16) if args.smoke else (5000, 200)
+    data = write_data(out / "data", num_train, num_test)
     common = ["trainer.resume=off", *(SMOKE if args.smoke else [])]
     figures: dict = {}
 
-    sft = run_stage("sft.yaml", [
-        f"model.path={TINY_MODEL}", f"data.train_path={data['sft/train']}", f"data.eval_path={data['sft/test']}",
-        f"trainer.output_dir={out / 'sft'}", *common])
+    sft = run_stage("sft.yaml", [f"model.path={TINY_MODEL}", f"data.train_path={data['sft/train']}",
+                                 f"data.eval_path={data['sft/test']}", f"trainer.output_dir={out / 'sft'}", *common])
     sft_model = export(sft, out / "sft-model")
     figures["sft_loss"] = [sft["eval_before"]["loss"], sft["eval_after"]["loss"]]
-    print(f"[sft] held-out loss {figures['sft_loss'][0]:.3f} -> {figures['sft_loss'][1]:.3f} -> {sft_model}")
+    print(f"[sft] held-out loss {figures['sft_loss'][0]:.3f} -> {figures['sft_loss'][1]:.3f}")
 
-    rm = run_stage("rm.yaml", [
-        f"model.path={sft_model}", f"data.train_path={data['preference/train']}",
-        f"data.eval_path={data['preference/test']}", f"trainer.output_dir={out / 'rm'}", *common])
+    prompts = make_arith_rows(16 if args.smoke else POLICY_PROMPTS, seed=3, split="train")
+    own_mistakes = policy_preferences(sft_model, prompts, seed=3)
+    preference_train = write_rows(out / "data" / "preference" / "train_with_samples.jsonl",
+                                  json_rows(data["preference/train"]) + own_mistakes)
+    rm = run_stage("rm.yaml", [f"model.path={sft_model}", f"data.train_path={preference_train}",
+                               f"data.eval_path={data['preference/test']}", f"trainer.output_dir={out / 'rm'}", *common])
     reward_model = export(rm, out / "reward-model")
-    figures["rm_accuracy"] = [rm["eval_before"]["accuracy"], rm["eval_after"]["accuracy"]]
-    print(f"[rm] held-out pairwise accuracy {figures['rm_accuracy'][0]:.3f} -> {figures['rm_accuracy'][1]:.3f} "
-          f"-> {reward_model}")
+    figures["rm_pairs"] = {"synthetic": len(json_rows(data["preference/train"])), "sft_model_mistakes": len(own_mistakes)}
+    figures["rm_accuracy"] = rm["eval_after"]["accuracy"]
+    print(f"[rm] {figures['rm_pairs']} training pairs; held-out pairwise accuracy {figures['rm_accuracy']:.3f}")
 
-    ppo_overrides = [
+    cfg = load_config(HERE / "ppo.yaml", [
         f"model.path={sft_model}", f"model.reward_model_path={reward_model}", f"data.train_path={data['prompts/train']}",
-        f"data.eval_path={data['prompts/test']}", f"trainer.output_dir={out / 'ppo'}", *common]
-    cfg = load_config(HERE / "ppo.yaml", ppo_overrides)
-    ppo_trainer = build_trainer(cfg)
+        f"data.eval_path={data['prompts/test']}", f"trainer.output_dir={out / 'ppo'}", *common])
+    trainer = build_trainer(cfg)
     learned = RewardEngine.from_hf(str(reward_model), offload=False, device="cpu")
-    before = greedy_figures(ppo_trainer, data["prompts/test"], num_test, learned)
-    ppo_trainer.fit()
-    after = greedy_figures(ppo_trainer, data["prompts/test"], num_test, learned)
-    figures["true_accuracy"] = [before[0], after[0]]
+    before = greedy_figures(trainer, data["prompts/test"], num_test, learned)
+    trainer.fit()
+    after = greedy_figures(trainer, data["prompts/test"], num_test, learned)
     figures["learned_reward"] = [before[1], after[1]]
+    figures["true_accuracy"] = [before[0], after[0]]
     figures["minutes"] = (time.perf_counter() - start) / 60
     print(f"[ppo] learned reward of greedy answers {before[1]:+.3f} -> {after[1]:+.3f}")
     print(f"[ppo] true held-out greedy accuracy {before[0]:.3f} -> {after[0]:.3f} ({after[0] - before[0]:+.3f}) "
@@ -150,6 +168,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"total {figures['minutes']:.1f} min; figures in {out / 'figures.json'}")
     (out / "figures.json").write_text(json.dumps(figures, indent=1), encoding="utf-8")
     return figures
+
+
+def json_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
 if __name__ == "__main__":
