@@ -8,8 +8,8 @@ from hybridrl.algos import clipped_value_loss, masked_mean
 from hybridrl.config import AlgorithmConfig, TrainConfig
 from hybridrl.train.batch import SequenceBatch
 from hybridrl.train.logprobs import response_values
-from hybridrl.train.packing import Work, micro_batch_work, micro_batches
-from hybridrl.train.update import StepResult, mean_metrics, optimizer_step
+from hybridrl.train.packing import Work, micro_batches
+from hybridrl.train.epochs import update_epochs
 
 
 @torch.no_grad()
@@ -34,36 +34,13 @@ class ValueTrainer:
         self.work = Work()  # computed by the last update, for MFU
 
     def update(self, batch: SequenceBatch, *, shuffle_seed: int) -> tuple[dict[str, float], int]:
-        mini = self.train_cfg.mini_batch_size or batch.size
-        gen = torch.Generator().manual_seed(shuffle_seed)
-        results: list[StepResult] = []
-        self.work = Work()
-        self.model.train()
-        for _ in range(self.train_cfg.ppo_epochs):
-            order = torch.randperm(batch.size, generator=gen).tolist() if mini < batch.size else list(range(batch.size))
-            for start in range(0, batch.size, mini):
-                mini_batch = batch.select(order[start : start + mini])
-                num_tokens = float(mini_batch.response_mask.sum())
-                micros = [m for _, m in micro_batches(mini_batch, micro_batch_size=self.train_cfg.micro_batch_size,
-                                                      max_tokens=self.train_cfg.max_tokens_per_micro_batch)]  # fmt: skip
-                for micro in micros:
-                    self.work += micro_batch_work(micro)
-                results.append(
-                    optimizer_step(
-                        self.model, self.optimizer, micros,
-                        lambda m: self._loss(m, num_tokens=num_tokens, num_seqs=float(mini_batch.size)),
-                        grad_clip=self.train_cfg.grad_clip,
-                    )
-                )
-        self.model.eval()
-        metrics = mean_metrics([r.metrics for r in results])
-        applied = [r.grad_norm for r in results if not r.skipped]
-        metrics["critic/grad_norm"] = sum(applied) / len(applied) if applied else float("nan")
-        metrics["critic/lr"] = self.optimizer.param_groups[0]["lr"]
-        self.scheduler.step()
-        return metrics, sum(r.skipped for r in results)
+        """PPO epochs over mini-batches; returns (metrics, number of skipped non-finite updates)."""
+        metrics, skipped, self.work = update_epochs(
+            self.model, self.optimizer, self.scheduler, batch, self.train_cfg, self._loss, shuffle_seed=shuffle_seed, prefix="critic"
+        )
+        return metrics, skipped
 
-    def _loss(self, micro: SequenceBatch, *, num_tokens: float, num_seqs: float):
+    def _loss(self, micro: SequenceBatch, *, num_tokens: float, num_seqs: float, max_len: int):
         values = response_values(self.model, micro)
         loss, m = clipped_value_loss(
             values, micro["values"], micro["returns"], micro.response_mask,
