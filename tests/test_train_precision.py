@@ -24,14 +24,14 @@ def _loss(model, x):
 def test_build_optimizer_picks_master_weights_for_low_precision_models():
     assert type(build_optimizer(_model(torch.float32), **ADAM)) is torch.optim.AdamW
     assert type(build_optimizer(_model(), **ADAM)) is MasterWeightAdamW
-    assert type(build_optimizer(_model(), **ADAM, fp32_master_weights=False)) is torch.optim.AdamW
+    assert type(build_optimizer(_model(), **ADAM, master_weights="none")) is torch.optim.AdamW
 
 
 def test_small_updates_survive_in_master_weights_and_reach_the_bf16_model():
     """lr 1e-6: every AdamW step on bf16 weights rounds away; with fp32 masters the steps add up."""
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     plain_model, model = _model(), _model()
-    plain = build_optimizer(plain_model, **ADAM, fp32_master_weights=False)
+    plain = build_optimizer(plain_model, **ADAM, master_weights="none")
     master = build_optimizer(model, **ADAM)
     start = [p.detach().clone() for p in model.parameters()]
     for _ in range(200):

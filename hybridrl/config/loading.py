@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -18,6 +19,12 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key and the fix."""
 
 
+# Deprecated dotted key -> (its replacement, the replacement's value as a function of the old value).
+DEPRECATED_KEYS: dict[str, tuple[str, Any]] = {
+    "train.fp32_master_weights": ("train.master_weights", lambda old: "fp32" if old else "none"),
+}
+
+
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
     """Reads a YAML file (optional), applies dotted `key=value` overrides, validates once."""
     from hybridrl.config.validate import validate_config
@@ -28,9 +35,29 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(raw, key, value)
+    upgrade_deprecated_keys(raw)
     config = from_dict(Config, raw, prefix="")
     validate_config(config)
     return config
+
+
+def upgrade_deprecated_keys(raw: dict[str, Any], *, warn: bool = True) -> dict[str, Any]:
+    """Replaces deprecated keys of a raw config dict (in place) by their replacements, with a FutureWarning."""
+    for old, (new, convert) in DEPRECATED_KEYS.items():
+        section, key = old.split(".")
+        node = raw.get(section)
+        if not isinstance(node, dict) or key not in node:
+            continue
+        value = node.pop(key)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{old} must be true or false, got {value!r}; it is deprecated: set {new} instead")
+        replacement, new_key = convert(value), new.split(".")[1]
+        if new_key in node and node[new_key] != replacement:
+            raise ConfigError(f"{old}={str(value).lower()} contradicts {new}={node[new_key]!r}; remove {old} (deprecated)")
+        node[new_key] = replacement
+        if warn:
+            warnings.warn(f"config key {old} is deprecated: use {new}={replacement}", FutureWarning, stacklevel=3)
+    return raw
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

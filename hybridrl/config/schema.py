@@ -104,8 +104,14 @@ class TrainConfig:
     # tokens (a packed prompt counts once per micro-batch) instead of micro_batch_size rows.
     # 0 or None keeps the fixed count. A response longer than the budget gets a micro-batch alone.
     max_tokens_per_micro_batch: int | None = None
+    # Token budget of the forward passes without gradients (reference, old log-probs, values): they
+    # hold no activations, so larger batches cost little memory and keep the GPU busier. None = the
+    # training budget (max_tokens_per_micro_batch).
+    max_tokens_per_forward: int | None = None
     packing: str = "auto"  # "on": each micro-batch is one row, each prompt once for its responses (no padding); "off"; "auto": on on GPU
-    fp32_master_weights: bool = True  # bf16/fp16 models: fp32 master weights, gradients and AdamW state (else AdamW in bf16)
+    # bf16/fp16 models: "fp32" master weights, gradients and AdamW state (18 B/param); "compensated": bf16
+    # weights + bf16 Kahan compensation, bf16 moments and gradients (10 B/param, bf16 only); "none": AdamW in bf16
+    master_weights: str = "fp32"
     offload_reference: bool = False  # keep the reference model in pinned CPU memory except during its forward pass
     compile: bool = False  # torch.compile each decoder layer of the trained model; for the native rollout backend (hf generate recompiles per shape)
     ppo_epochs: int = 1  # passes over each rollout batch

@@ -34,6 +34,7 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
 ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "low_var_kl")
+MASTER_WEIGHTS = ("fp32", "compensated", "none")  # train.master_weights, see hybridrl.train.precision
 
 
 def algorithm_spec(name: str) -> AlgorithmSpec:
@@ -55,6 +56,9 @@ def validate_config(cfg: Config, *, require_paths: bool = True) -> None:
     _check_choice("algorithm.loss_agg", cfg.algorithm.loss_agg, LOSS_AGGS)
     _check_choice("train.lr_schedule", cfg.train.lr_schedule, ("constant", "cosine"))
     _check_choice("train.packing", cfg.train.packing, ("auto", "on", "off"))
+    _check_choice("train.master_weights", cfg.train.master_weights, MASTER_WEIGHTS)
+    if cfg.train.master_weights == "compensated" and cfg.model.dtype == "float16":
+        raise ConfigError("train.master_weights=compensated needs a bfloat16 model, but model.dtype is float16: use model.dtype=bfloat16 or train.master_weights=fp32")
     if cfg.algorithm.advantage is not None:
         _check_choice("algorithm.advantage", cfg.algorithm.advantage, ADVANTAGES)
     if require_paths and not cfg.model.path:
@@ -66,6 +70,7 @@ def validate_config(cfg: Config, *, require_paths: bool = True) -> None:
     _positive("train.batch_size", cfg.train.batch_size)
     _positive("train.micro_batch_size", cfg.train.micro_batch_size)
     _non_negative("train.max_tokens_per_micro_batch", cfg.train.max_tokens_per_micro_batch or 0)
+    _non_negative("train.max_tokens_per_forward", cfg.train.max_tokens_per_forward or 0)
     _positive("train.ppo_epochs", cfg.train.ppo_epochs)
     _positive("rollout.n", cfg.rollout.n)
     _positive("rollout.max_tokens", cfg.rollout.max_tokens)

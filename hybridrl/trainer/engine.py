@@ -26,6 +26,7 @@ from hybridrl.checkpoint import (
     restore_rng,
 )
 from hybridrl.config import Config, ConfigError, algorithm_spec, diff_configs, to_dict, validate_config
+from hybridrl.config.loading import upgrade_deprecated_keys
 from hybridrl.data import StatefulLoader, load_prompt_dataset
 from hybridrl.metrics import ConsoleProgress, JsonlSink, MetricsWriteError, PhaseTimer, memory_metrics
 from hybridrl.models import load_critic
@@ -77,7 +78,7 @@ class TrainerEngine:
         self.device = actor.device
         # Before the reference is copied from it: the copy shares the attention setup.
         self.packed = prepare_for_training(self.model, cfg.train, gradient_checkpointing=cfg.model.gradient_checkpointing)
-        self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=cfg.train.adam_betas, eps=cfg.train.adam_eps, fp32_master_weights=cfg.train.fp32_master_weights)
+        self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=cfg.train.adam_betas, eps=cfg.train.adam_eps, master_weights=cfg.train.master_weights)
         self.scheduler = self._scheduler(self.optimizer)
         self.ref_model = None
         self.ref_offload: OffloadedWeights | None = None
@@ -90,7 +91,9 @@ class TrainerEngine:
             if self.offline_algorithm.needs_reference:
                 self.ref_model = frozen_copy(self.model)
         if cfg.train.compile:
-            compile_layers(self.model)
+            for module in (self.model, self.ref_model, self.critic):
+                if module is not None:
+                    compile_layers(module)
 
         self.output_dir = Path(cfg.trainer.output_dir)
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
@@ -123,7 +126,7 @@ class TrainerEngine:
             self.critic = self._load_critic(critic)
             if self.packed:
                 enable_packed_attention(self.critic)
-            c_opt = build_optimizer(self.critic, lr=cfg.train.critic_lr, weight_decay=cfg.train.weight_decay, betas=cfg.train.adam_betas, eps=cfg.train.adam_eps, fp32_master_weights=cfg.train.fp32_master_weights)
+            c_opt = build_optimizer(self.critic, lr=cfg.train.critic_lr, weight_decay=cfg.train.weight_decay, betas=cfg.train.adam_betas, eps=cfg.train.adam_eps, master_weights=cfg.train.master_weights)
             self.critic_trainer = ValueTrainer(self.critic, c_opt, self._scheduler(c_opt), cfg.train, cfg.algorithm)
 
     def _scheduler(self, optimizer):
@@ -352,7 +355,7 @@ class TrainerEngine:
             raise CheckpointError(f"checkpoint {target} does not fit this run's data: {e}") from None
 
     def _load(self, target: Path) -> None:
-        saved_config = CheckpointManager.load_config(target)
+        saved_config = upgrade_deprecated_keys(CheckpointManager.load_config(target), warn=False)
         differences = diff_configs(saved_config, to_dict(self.config))
         ignorable = ("trainer.resume", "train.total_steps", "trainer.progress")
         differences = [d for d in differences if not d.startswith(ignorable)]
