@@ -8,8 +8,10 @@
 Both systems run GRPO with a KL of 0.04 to a reference model, lr 1e-6, temperature 1.0 and one
 optimizer step per 256 responses (TRL: per_device_train_batch_size=16, gradient_accumulation_steps=16),
 on a random-init Qwen2 model of the workload's shape (seed 42, saved in bf16) and a local WordLevel
-tokenizer of 151,936 tokens, with the same reward function. hybridrl uses its native rollout engine;
-TRL its default generation (transformers `generate`). A random model rarely emits EOS, so responses
+tokenizer of 151,936 tokens, with the same reward function. hybridrl uses its native rollout engine
+and, on a GPU, compiled decoder layers, a 32k-token budget for the reference pass and the compensated
+bf16 optimizer (`train.master_weights: compensated`); TRL its defaults: transformers `generate`, fp32
+weights and AdamW state under bf16 autocast, gradient checkpointing (on for hybridrl too). A random model rarely emits EOS, so responses
 run to the limit. On a GPU each system runs in its own subprocess, so each peak-memory figure is its
 own. Step time is the mean over the steps after the first. TRL is optional: without it only the
 hybridrl half runs.
@@ -129,7 +131,48 @@ def physical_bound_s(w: Workload, num_params: int, weight_bytes: int) -> float:
 # ---- the two halves -------------------------------------------------------------------------------
 
 
-def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, device: str, work_dir: Path) -> dict:
+def apply_overrides(cfg, overrides: list[str]) -> None:
+    """`section.key=value` items (as `hybridrl train` takes them) applied to a built Config."""
+    from hybridrl.config.loading import parse_override
+    from hybridrl.config.validate import validate_config
+
+    for item in overrides:
+        key, value = parse_override(item)
+        *path, name = key.split(".")
+        node = cfg
+        for part in path:
+            node = getattr(node, part)
+        if not hasattr(node, name):
+            raise SystemExit(f"--set {item}: {key} is not a config key")
+        setattr(node, name, value)
+    validate_config(cfg)
+
+
+def profile_step(trainer, step: int, top: int = 40):
+    """Runs step `step` (1-based) of `trainer.fit` under torch.profiler and prints where the GPU time went."""
+    original = trainer.train_step
+
+    def train_step(prompts):
+        if trainer.step + 1 != step:
+            return original(prompts)
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=activities) as prof:
+            record = original(prompts)
+        events = prof.key_averages()
+        phases = sorted((e for e in events if e.key.startswith("phase/")), key=lambda e: e.key)
+        print(f"\n[profile] step {step}: phases (CPU wall ms / device ms inside):")
+        for e in phases:
+            print(f"  {e.key:24s} cpu {e.cpu_time_total / 1e3:9.1f}  device {e.device_time_total / 1e3:9.1f}")
+        print(events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=70))
+        return record
+
+    trainer.train_step = train_step
+
+
+def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, device: str, work_dir: Path,
+                 overrides: list[str] = (), profile: int = 0) -> dict:  # fmt: skip
     from hybridrl import RolloutEngine, TrainerEngine
     from hybridrl.config import Config
     from hybridrl.metrics import read_records
@@ -155,14 +198,21 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
     t.total_steps, t.batch_size, t.lr = steps, w.responses, w.lr
     t.max_tokens_per_micro_batch = w.max_tokens_per_micro_batch
     t.packing, t.offload_reference = "on", device == "cuda"
+    if device == "cuda":  # the settings a GPU user should run with (README, "Training speed and memory")
+        t.compile = True  # decoder layers of the policy and the reference
+        t.max_tokens_per_forward = 2 * w.max_tokens_per_micro_batch  # the no-grad reference pass
+        t.master_weights = "compensated"  # bf16 weights + bf16 Kahan compensation, bf16 AdamW moments
     cfg.trainer.output_dir, cfg.trainer.save_every, cfg.trainer.progress, cfg.trainer.resume = str(work_dir / "run"), 0, False, "off"
+    apply_overrides(cfg, list(overrides))
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer = TrainerEngine(actor=engine, reward_fn=reward_fn, algorithm="grpo", config=cfg)
+    if profile:
+        profile_step(trainer, profile)
     trainer.fit(str(data))
     records = read_records(work_dir / "run" / "metrics.jsonl")
     for r in records:
-        print("hybridrl step", r["step"], {k: round(v, 3) for k, v in r.items() if isinstance(v, float) and k.startswith(("timing/", "perf/", "memory/", "actor/kl"))}, flush=True)
+        print("hybridrl step", r["step"], {k: round(v, 3) for k, v in r.items() if isinstance(v, float) and k.startswith(("timing/", "perf/", "memory/", "actor/kl", "rollout/logprob_diff"))}, flush=True)
     later = records[1:] or records
     mean = lambda key: sum(r[key] for r in later if r.get(key) is not None) / max(1, sum(r.get(key) is not None for r in later))  # noqa: E731
     phases = sorted({k for r in later for k in r if k.startswith("timing/")})
@@ -175,6 +225,9 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
         "mfu_actor": mean("perf/mfu/actor") if device == "cuda" else None,
         "mfu_ref": mean("perf/mfu/ref") if device == "cuda" else None,
         "kl": later[-1].get("actor/kl"),
+        "logprob_diff_mean": mean("rollout/logprob_diff/mean"),
+        "logprob_diff_max": max((r.get("rollout/logprob_diff/max") or 0.0) for r in records),
+        "overrides": list(overrides),
         "compiled_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),  # FlexAttention: no recompiles after step 1
         "num_params": sum(p.numel() for p in engine.model.parameters()),
         "weight_bytes": sum(p.numel() * p.element_size() for p in engine.model.parameters()),
@@ -229,10 +282,19 @@ def run_trl(w: Workload, model_dir: Path, prompts: list[str], steps: int, device
     }
 
 
-def run_half(system: str, w: Workload, model_dir: Path, prompts: list[str], steps: int, device: str) -> dict:
+def run_half(system: str, w: Workload, model_dir: Path, prompts: list[str], steps: int, device: str,
+             overrides: list[str] = (), profile: int = 0) -> dict:  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        runner = run_hybridrl if system == "hybridrl" else run_trl
-        return runner(w, model_dir, prompts, steps, device, Path(tmp))
+        if system == "hybridrl":
+            return run_hybridrl(w, model_dir, prompts, steps, device, Path(tmp), overrides, profile)
+        return run_trl(w, model_dir, prompts, steps, device, Path(tmp))
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    name, sep, items = text.partition(":")
+    if not sep or not name:
+        raise SystemExit(f"--variant {text!r}: write NAME:KEY=VALUE[,KEY=VALUE...]")
+    return name, [i for i in items.split(",") if i]
 
 
 def trl_missing() -> str | None:
@@ -243,7 +305,7 @@ def trl_missing() -> str | None:
     return None
 
 
-def run_in_subprocess(system: str, args, model_dir: Path) -> dict:
+def run_in_subprocess(system: str, args, model_dir: Path, overrides: list[str] = (), profile: int = 0) -> dict:
     """One half in a fresh process: its own CUDA context, allocator and peak-memory counter."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = Path(f.name)
@@ -251,6 +313,10 @@ def run_in_subprocess(system: str, args, model_dir: Path) -> dict:
            "--size", args.size, "--steps", str(args.steps if system == "hybridrl" else args.trl_steps)]  # fmt: skip
     if args.tiny:
         cmd.append("--tiny")
+    for item in overrides:
+        cmd += ["--set", item]
+    if profile:
+        cmd += ["--profile", str(profile)]
     proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if proc.returncode != 0:
         return {"error": f"{system} half exited with status {proc.returncode} (its output is above)"}
@@ -300,6 +366,7 @@ def print_table(result: dict) -> None:
     if "phases_s" in h:
         phases = ", ".join(f"{k} {v:.3f}" for k, v in h["phases_s"].items())
         print(f"hybridrl phases (s, mean after the first step): {phases}")
+        print(f"hybridrl rollout/logprob_diff: mean {_fmt(h.get('logprob_diff_mean'), '.3e')}, max {_fmt(h.get('logprob_diff_max'), '.3e')}")
         print(f"hybridrl MFU: actor {_fmt(h.get('mfu_actor'), '.1%')}, ref {_fmt(h.get('mfu_ref'), '.1%')}; "
               f"step times {['%.2f' % s for s in h['step_times_s']]}")  # fmt: skip
     if "step_times_s" in trl:
@@ -314,6 +381,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--trl-steps", type=int, default=3, help="TRL steps (the first is not timed)")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--json", type=str, default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="hybridrl config override, as `hybridrl train` takes it (repeatable)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                    help="also run hybridrl with these overrides (on top of --set) and print it as an extra row (repeatable)")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEP",
+                    help="print a torch.profiler summary of this hybridrl step (GPU)")
     ap.add_argument("--worker", choices=["hybridrl", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", type=str, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", type=str, help=argparse.SUPPRESS)
@@ -323,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.worker:  # one half, in a subprocess of the invocation below
         prompts = json.loads((Path(args.model_dir) / "prompts.json").read_text())
         steps_prompts = prompts[: w.prompts * max(args.steps, 1) * 2]
-        result = run_half(args.worker, w, Path(args.model_dir), steps_prompts, args.steps, device)
+        result = run_half(args.worker, w, Path(args.model_dir), steps_prompts, args.steps, device, args.set, args.profile)
         Path(args.worker_out).write_text(json.dumps(result))
         return result
 
@@ -334,16 +407,24 @@ def main(argv: list[str] | None = None) -> dict:
         (model_dir / "prompts.json").write_text(json.dumps(prompts))
         print(f"[{w.size}] workload built in {time.perf_counter() - t0:.1f} s on {device}", flush=True)
         missing = "--skip-trl" if args.skip_trl else trl_missing()
+        variants = [parse_variant(v) for v in args.variant]
         if device == "cuda":
-            h = run_in_subprocess("hybridrl", args, model_dir)
+            h = run_in_subprocess("hybridrl", args, model_dir, args.set, args.profile)
+            extra = {name: run_in_subprocess("hybridrl", args, model_dir, args.set + items) for name, items in variants}
             trl = {"skipped": missing} if missing else run_in_subprocess("trl", args, model_dir)
         else:  # CPU: no memory figures to keep apart, so one process is enough (and faster for CI)
-            h = run_half("hybridrl", w, model_dir, prompts[: w.prompts * args.steps * 2], args.steps, device)
+            run = lambda items, prof=0: run_half("hybridrl", w, model_dir, prompts[: w.prompts * args.steps * 2], args.steps, device, items, prof)  # noqa: E731
+            h = run(args.set, args.profile)
+            extra = {name: run(args.set + items) for name, items in variants}
             trl = {"skipped": missing} if missing else run_half("trl", w, model_dir, prompts[: w.prompts * args.trl_steps * 2], args.trl_steps, device)
     bound = physical_bound_s(w, h["num_params"], h["weight_bytes"]) if device == "cuda" and "num_params" in h else None
     result = summarise(w, h, trl, bound)
+    result["variants"] = {name: summarise(w, v, trl, bound) for name, v in extra.items()}
     result["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print_table(result)
+    for name, v in result["variants"].items():
+        print(f"\n--- variant {name}: {' '.join(v['hybridrl'].get('overrides', []))}")
+        print_table(v)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o)))
     return result

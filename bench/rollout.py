@@ -94,6 +94,8 @@ def run_native(model, request, device, args, tile: int, warps: int, split: int) 
     cold_s = time.perf_counter() - t0
     times, outs = [], None
     for _ in range(args.repeats):
+        if args.sleep_between and device == "cuda":  # as in training: the cache and graphs are released between steps
+            backend.sleep()
         sync(device)
         t0 = time.perf_counter()
         outs = backend.generate(request)
@@ -177,6 +179,7 @@ def main() -> None:
     ap.add_argument("--hf-max-tokens", type=int, default=None, help="shorter HF run (its tokens/s barely depends on it)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--sleep-between", action="store_true", help="sleep() before each timed run, as a trainer does between steps")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--attn", default="128:4:0",
                     help="attention settings to try, tile:warps:split_tokens, comma-separated (split 0: none)")

@@ -18,7 +18,8 @@ class PhaseTimer:
         self._sync()
         start = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"phase/{name}"):  # names the phase in a torch.profiler trace
+                yield
         finally:
             self._sync()
             self.times[f"timing/{name}"] = self.times.get(f"timing/{name}", 0.0) + time.perf_counter() - start

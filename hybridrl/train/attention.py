@@ -24,13 +24,18 @@ from hybridrl.train.packing import PackedLayout
 NAME = "hybridrl_packed"
 BLOCK = 128  # FlexAttention tile: packed rows are padded to a multiple of it on CUDA
 SUPPORTED_BASES = ("sdpa", "eager", NAME)
+# FlexAttention tiles for training on CUDA. On an H200 with W0.5B heads (14 query, 2 KV, dim 64) over a
+# packed 13k-token micro-batch (bench/flex_attention.py), these took forward + backward from 2.44 ms
+# (torch's defaults) to 1.16 ms. Outputs differ from the defaults' by bf16 rounding only.
+FLEX_KERNEL_OPTIONS = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 
 
 def _packed_or_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
     if not isinstance(attention_mask, BlockMask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
-    out = flex(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    out = flex(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+               kernel_options=FLEX_KERNEL_OPTIONS)  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -12,10 +12,11 @@ from hybridrl.train.packing import Work, micro_batch_work, micro_batches
 from hybridrl.train.epochs import update_epochs
 
 
-def logprob_diff_metrics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def logprob_diff_metrics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, *, as_tensors: bool = False) -> dict:
     """How far the rollout engine's log-probs are from the trainer's: a mismatch shows here."""
     diff = (trainer_logprobs - rollout_logprobs).abs() * mask
-    return {"rollout/logprob_diff/mean": float(masked_mean(diff, mask)), "rollout/logprob_diff/max": float(diff.max())}
+    out = {"rollout/logprob_diff/mean": masked_mean(diff, mask), "rollout/logprob_diff/max": diff.max()}
+    return out if as_tensors else {k: float(v) for k, v in out.items()}
 
 
 @torch.no_grad()
@@ -63,33 +64,33 @@ class PolicyTrainer:
         logprobs, entropy = response_logprobs(self.model, micro, temperature=self.temperature, with_entropy=True)
         mask = micro.response_mask
         agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_response_length=max_len)
-        metrics: dict[str, float] = {}
+        metrics: dict = {}  # 0-dim tensors: read once per mini-batch (update._accumulate)
         if "old_logprobs" in micro:
             old_logprobs = micro["old_logprobs"]
         else:  # exactly on-policy: this pass IS the old-log-prob pass (see rl_step.compute_old_logprobs)
             old_logprobs = logprobs.detach()
             if "rollout_logprobs" in micro:
-                metrics.update(logprob_diff_metrics(old_logprobs, micro["rollout_logprobs"], mask))
+                metrics.update(logprob_diff_metrics(old_logprobs, micro["rollout_logprobs"], mask, as_tensors=True))
         pg_loss, pg_metrics = self.policy_loss(
             logprobs, old_logprobs, micro["advantages"], mask,
             clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, loss_agg=algo.loss_agg, **agg,
         )
         loss = pg_loss
         metrics |= {
-            "actor/pg_loss": float(pg_loss.detach()),
-            "actor/pg_clipfrac": float(pg_metrics["pg_clipfrac"]),
-            "actor/pg_clipfrac_lower": float(pg_metrics["pg_clipfrac_lower"]),
-            "actor/ppo_kl": float(pg_metrics["ppo_kl"]),
-            "actor/entropy": float(masked_mean(entropy.detach(), mask)),
+            "actor/pg_loss": pg_loss.detach(),
+            "actor/pg_clipfrac": pg_metrics["pg_clipfrac"],
+            "actor/pg_clipfrac_lower": pg_metrics["pg_clipfrac_lower"],
+            "actor/ppo_kl": pg_metrics["ppo_kl"],
+            "actor/entropy": masked_mean(entropy.detach(), mask),
         }
         if algo.entropy_coef > 0:
             ent_loss = aggregate_loss(entropy, mask, algo.loss_agg, **agg)
             loss = loss - algo.entropy_coef * ent_loss
         if "ref_logprobs" in micro:
             kl = kl_penalty(logprobs, micro["ref_logprobs"], algo.kl_estimator)
-            metrics["actor/kl"] = float(masked_mean(kl.detach(), mask))
+            metrics["actor/kl"] = masked_mean(kl.detach(), mask)
             if algo.kl_coef > 0 and not algo.kl_in_reward:
                 kl_loss = aggregate_loss(kl, mask, algo.loss_agg, **agg)
                 loss = loss + algo.kl_coef * kl_loss
-                metrics["actor/kl_loss"] = float(kl_loss.detach())
+                metrics["actor/kl_loss"] = kl_loss.detach()
         return loss, metrics

@@ -37,6 +37,11 @@ def compile_layers(model: torch.nn.Module) -> None:
     layers = getattr(base, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise ValueError(f"train.compile: {type(model).__name__} has no `{model.base_model_prefix}.layers`; set train.compile=false")
+    # Inductor would otherwise keep fp32 where the eager layer rounds to bf16 (RMSNorm, rotary),
+    # which moves the trainer's log-probs away from the rollout engine's (it rounds as eager does).
+    import torch._inductor.config as inductor_config
+
+    inductor_config.emulate_precision_casts = True
     for layer in layers:
         layer.compile()
     log.info("train.compile: %d decoder layers compiled on first use", len(layers))

@@ -66,12 +66,24 @@ def optimizer_step(
 
 
 def _accumulate(micro_batches: list[Any], loss_fn: LossFn) -> tuple[dict[str, float], int]:
-    sums: dict[str, float] = defaultdict(float)
+    """Backward over each micro-batch. Metrics may be floats or 0-dim tensors; tensors are summed on
+    their device and read once at the end, so the GPU is not drained after every micro-batch."""
+    sums: dict[str, Any] = {}
     for micro in micro_batches:
         loss, metrics = loss_fn(micro)
         loss.backward()
         for k, v in metrics.items():
-            sums[k] = max(sums.get(k, float("-inf")), float(v)) if k.endswith("/max") else sums[k] + float(v)
+            v = v.detach().float() if isinstance(v, torch.Tensor) else float(v)
+            if k not in sums:
+                sums[k] = v
+            elif k.endswith("/max"):
+                sums[k] = torch.maximum(torch.as_tensor(sums[k]), torch.as_tensor(v)) if isinstance(v, torch.Tensor) or isinstance(sums[k], torch.Tensor) else max(sums[k], v)
+            else:
+                sums[k] = sums[k] + v
+    keys = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
+    if keys:  # one host sync for all of them
+        values = torch.stack([sums[k].reshape(()).to(sums[keys[0]].device) for k in keys]).tolist()
+        sums.update(zip(keys, values))
     return sums, len(micro_batches)
 
 

@@ -47,8 +47,8 @@ class ValueTrainer:
             clip=self.algo.value_clip, loss_agg="token-mean", num_tokens=num_tokens, num_seqs=num_seqs,
         )
         metrics = {
-            "critic/vf_loss": float(loss.detach()),
-            "critic/vf_clipfrac": float(m["vf_clipfrac"]),
-            "critic/values/mean": float(masked_mean(values.detach(), micro.response_mask)),
+            "critic/vf_loss": loss.detach(),
+            "critic/vf_clipfrac": m["vf_clipfrac"],
+            "critic/values/mean": masked_mean(values.detach(), micro.response_mask),
         }
         return self.algo.vf_coef * loss, metrics

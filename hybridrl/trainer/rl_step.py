@@ -117,6 +117,11 @@ def make_batch(t: "TrainerEngine", samples, scores: torch.Tensor) -> SequenceBat
     return batch
 
 
+def no_grad_budget(tc) -> int | None:
+    """Token budget of a forward pass without gradients (`train.max_tokens_per_forward`)."""
+    return tc.max_tokens_per_forward or tc.max_tokens_per_micro_batch
+
+
 def compute_reference_logprobs(t: "TrainerEngine", batch: SequenceBatch) -> Work:
     if t.ref_model is None:
         return Work()
@@ -124,7 +129,7 @@ def compute_reference_logprobs(t: "TrainerEngine", batch: SequenceBatch) -> Work
     with weights_on_device(t.ref_offload):  # train.offload_reference: on the GPU for this pass only
         batch["ref_logprobs"], work = batched_logprobs(
             t.ref_model, batch, micro_batch_size=tc.micro_batch_size, temperature=t.config.rollout.temperature,
-            max_tokens=tc.max_tokens_per_micro_batch,
+            max_tokens=no_grad_budget(tc),
         )  # fmt: skip
     return work
 
@@ -140,7 +145,7 @@ def compute_old_logprobs(t: "TrainerEngine", batch: SequenceBatch) -> dict[str, 
     tc = t.config.train
     batch["old_logprobs"], _ = batched_logprobs(
         t.model, batch, micro_batch_size=tc.micro_batch_size, temperature=t.config.rollout.temperature,
-        max_tokens=tc.max_tokens_per_micro_batch,
+        max_tokens=no_grad_budget(tc),
     )  # fmt: skip
     return logprob_diff_metrics(batch["old_logprobs"], batch["rollout_logprobs"], batch.response_mask)
 
@@ -148,7 +153,7 @@ def compute_old_logprobs(t: "TrainerEngine", batch: SequenceBatch) -> dict[str, 
 def compute_values(t: "TrainerEngine", batch: SequenceBatch) -> None:
     if t.critic is not None:
         tc = t.config.train
-        batch["values"] = batched_values(t.critic, batch, micro_batch_size=tc.micro_batch_size, max_tokens=tc.max_tokens_per_micro_batch)
+        batch["values"] = batched_values(t.critic, batch, micro_batch_size=tc.micro_batch_size, max_tokens=no_grad_budget(tc))
 
 
 def compute_advantages(t: "TrainerEngine", batch: SequenceBatch) -> dict[str, float]:

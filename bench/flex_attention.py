@@ -1,0 +1,115 @@
+"""FlexAttention on a packed W0.5B micro-batch: forward and forward+backward time per kernel setting.
+
+    python bench/flex_attention.py                 # 16,384-token micro-batch, W0.5B heads
+    python bench/flex_attention.py --tokens 32768
+
+The micro-batch is laid out as training lays it out (hybridrl/train/packing.py): per prompt group
+`[prompt 256 | 8 responses x 512]`, each response seeing its prompt and its own earlier tokens,
+and the block mask is the one training builds (hybridrl/train/attention.py). TFLOP/s counts the
+(query, key) pairs the mask allows: 4 * pairs * head_dim * query heads (forward), 2.5x that for
+backward. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from types import SimpleNamespace
+
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+from hybridrl.train.attention import BLOCK, _block_mask
+
+CANDIDATES = {
+    "default": None,
+    "m128_n64_w4_s3": dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    "m128_n64_w8_s3": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    "m128_n128_w8_s2": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+    "m64_n64_w4_s3": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    "m128_n32_w4_s4": dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4),
+}
+
+
+def layout(tokens: int, prompt: int, n: int, response: int, device) -> tuple[SimpleNamespace, int]:
+    doc, branch = [], []
+    group = 0
+    while len(doc) + prompt + n * response <= tokens:
+        doc += [group] * (prompt + n * response)
+        branch += [0] * prompt + [b for b in range(1, n + 1) for _ in range(response)]
+        group += 1
+    real = len(doc)
+    pad = -(-max(real, 1) // BLOCK) * BLOCK - real
+    doc += [-1] * pad
+    branch += [0] * pad
+    as_t = lambda x: torch.tensor(x, device=device)  # noqa: E731
+    pairs = group * (prompt * (prompt + 1) // 2 + n * (response * prompt + response * (response + 1) // 2))
+    return SimpleNamespace(doc_ids=as_t(doc), branch_ids=as_t(branch)), pairs
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / repeats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--heads", type=int, default=14)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--only", nargs="*", default=None, help="candidate names to run")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    lay, pairs = layout(args.tokens, 256, 8, 512, device)
+    L = lay.doc_ids.shape[0]
+    mask = _block_mask(lay, L, device)
+    torch.manual_seed(0)
+    mk = lambda h: torch.randn(1, L, h, args.head_dim, device=device, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()  # noqa: E731
+    q, k, v = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads)
+    grad = torch.randn(1, args.heads, L, args.head_dim, device=device, dtype=torch.bfloat16)
+    flops = 4 * pairs * args.head_dim * args.heads
+    compiled = torch.compile(flex_attention)
+    results = {}
+    reference = None
+    for name, opts in CANDIDATES.items():
+        if args.only and name not in args.only:
+            continue
+        kw = dict(block_mask=mask, enable_gqa=True, scale=args.head_dim**-0.5, kernel_options=opts)
+        try:
+            with torch.no_grad():
+                out = compiled(q, k, v, **kw)
+            fwd = timed(lambda: compiled(q.detach(), k.detach(), v.detach(), **kw), args.repeats)
+
+            def fwd_bwd():
+                compiled(q, k, v, **kw).backward(grad)
+
+            both = timed(fwd_bwd, args.repeats)
+        except Exception as e:  # an invalid setting for this GPU: report and go on
+            print(f"{name:18s} failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            results[name] = {"error": str(e)[:300]}
+            continue
+        if reference is None:
+            reference = out.float()
+        diff = (out.float() - reference).abs().max().item()
+        results[name] = {"fwd_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3, "fwd_tflops": flops / fwd / 1e12,
+                         "fwd_bwd_tflops": 3.5 * flops / both / 1e12, "max_diff_vs_default": diff}  # fmt: skip
+        r = results[name]
+        print(f"{name:18s} fwd {r['fwd_ms']:7.3f} ms ({r['fwd_tflops']:5.1f} TFLOP/s)  fwd+bwd {r['fwd_bwd_ms']:7.3f} ms "
+              f"({r['fwd_bwd_tflops']:5.1f} TFLOP/s)  max|out - default| {diff:.2e}", flush=True)  # fmt: skip
+    print(f"L={L} tokens, {pairs:,} attended pairs, {flops / 1e9:.1f} GFLOP forward")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"tokens": L, "pairs": pairs, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
