@@ -96,3 +96,43 @@ def test_export_loads_in_transformers_with_same_greedy_output(tmp_path, arith_da
         assert theirs[0, ids.shape[1] :].tolist()[: len(sample.response_ids)] == sample.response_ids
     with pytest.raises(CheckpointError, match="not empty"):
         export_checkpoint(tmp_path / "run" / "checkpoints", tmp_path / "exported")
+
+
+def _fused_trainer(cfg):
+    """The native engine with q|k|v and gate|up fused in place (its GPU default), on CPU."""
+    from hybridrl import RolloutEngine, TrainerEngine
+    from hybridrl.trainer.engine import reward_from_config
+
+    actor = RolloutEngine.from_hf(cfg.model.path, backend="native", device="cpu", fuse_weights=True)
+    return TrainerEngine(actor=actor, reward_fn=reward_from_config(cfg), config=cfg)
+
+
+def test_training_on_weights_fused_in_place(tmp_path, arith_data):
+    """Trained through the fused parameters: they stay shared with the engine, rollouts see every
+    update (log-probs match the trainer's), resume is bit-exact and the export loads in transformers."""
+    from hybridrl.rollout.native.fused import span
+
+    extra = {"rollout.backend": "native", "train.total_steps": 4, "trainer.eval_every": 0, "train.lr": 1e-3}
+    straight = _fused_trainer(small_config(tmp_path / "a", arith_data, **extra))
+    straight.fit()
+    for layer in straight.model.model.layers:
+        a = layer.self_attn
+        assert span([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) is not None
+        assert span([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]) is not None
+    records = read_records(straight.metrics.path)
+    assert all(r["rollout/logprob_diff/mean"] < 1e-4 for r in records), [r["rollout/logprob_diff/mean"] for r in records]
+    straight.rollout.generate(["12+34="], n=1, max_tokens=2, temperature=0.0)
+    fused, layer0 = straight.rollout.backend.decoder.fused, straight.model.model.layers[0]
+    assert fused.copied == 0 and fused.qkv_w[0].data_ptr() == layer0.self_attn.q_proj.weight.data_ptr()
+
+    _fused_trainer(small_config(tmp_path / "b", arith_data, **{**extra, "train.total_steps": 2})).fit()
+    resumed = _fused_trainer(small_config(tmp_path / "b", arith_data, **extra))
+    resumed.fit()
+    assert resumed.step == 4
+    for (name, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), f"weights differ after resume: {name}"
+
+    out = export_checkpoint(tmp_path / "a" / "run" / "checkpoints", tmp_path / "exported")
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    for (name, a), (_, b) in zip(straight.model.state_dict().items(), exported.state_dict().items()):
+        assert torch.equal(a, b), name

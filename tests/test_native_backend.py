@@ -189,3 +189,57 @@ def test_supports():
     assert not NativeBackend.supports(gpt2)
     with pytest.raises(ValueError, match="backend='hf'"):
         NativeBackend(gpt2)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_fused_weights_are_the_parameters_not_a_copy(arch):
+    """fuse_weights (the GPU default) moves q/k/v and gate/up into one tensor per layer and points
+    the modules' parameters at slices of it: the decode step reads the trained tensors themselves."""
+    from hybridrl.rollout.native.fused import span
+
+    model = _model(arch)
+    reference = _model(arch)  # same seed: same weights, left unfused
+    before = sum(p.numel() for p in model.parameters())
+    backend = NativeBackend(model, fuse_weights=True)
+    assert sum(p.numel() for p in model.parameters()) == before
+    for layer, ref in zip(model.model.layers, reference.model.layers):
+        a, m = layer.self_attn, layer.mlp
+        assert _storage(a.q_proj.weight) == _storage(a.k_proj.weight) == _storage(a.v_proj.weight)
+        assert _storage(m.gate_proj.weight) == _storage(m.up_proj.weight)
+        assert span([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]) is not None
+        assert all(p.is_leaf and p.requires_grad for p in (a.q_proj.weight, a.k_proj.weight, m.up_proj.weight))
+        assert torch.equal(a.v_proj.weight, ref.self_attn.v_proj.weight) and torch.equal(m.up_proj.weight, ref.mlp.up_proj.weight)
+    prompts = _prompts()
+    req = GenerationRequest(prompts, n=2, max_tokens=[8] * 4, temperature=0.0)
+    outs = backend.generate(req)
+    fused = backend.decoder.fused
+    assert fused.copied == 0
+    for i, layer in enumerate(model.model.layers):
+        assert fused.qkv_w[i].data_ptr() == layer.self_attn.q_proj.weight.data_ptr()
+        assert fused.gate_up_w[i].data_ptr() == layer.mlp.gate_proj.weight.data_ptr()
+    for o in outs:
+        assert o.response_ids == _greedy_reference(reference, prompts[o.prompt_index], 8)
+
+
+def test_fused_weights_fall_back_to_a_copy_when_a_parameter_moves():
+    """Something that gives a parameter new storage (`p.data = ...`, `model.to(...)`) breaks the
+    sharing; the next generate notices and copies the current weights, so it never reads stale ones."""
+    model = _model("qwen2")
+    backend = NativeBackend(model, fuse_weights=True)
+    prompts = _prompts()
+    req = GenerationRequest(prompts, n=1, max_tokens=[8] * 4, temperature=0.0)
+    backend.generate(req)
+    k = model.model.layers[1].self_attn.k_proj.weight
+    with torch.no_grad():
+        k.data = k.data.clone() * 3.0  # new storage, different values
+    outs = backend.generate(req)
+    assert backend.decoder.fused.copied == 1
+    assert [o.response_ids for o in outs] == [_greedy_reference(model, p, 8) for p in prompts]
+    with torch.no_grad():  # and a later in-place update of the moved parameter is seen too
+        k.mul_(-1.0)
+    outs = backend.generate(req)
+    assert [o.response_ids for o in outs] == [_greedy_reference(model, p, 8) for p in prompts]

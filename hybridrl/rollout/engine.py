@@ -50,6 +50,11 @@ class RolloutEngine:
 
         engine = RolloutEngine.from_hf("Qwen/Qwen2.5-0.5B-Instruct", backend="native")
         samples = engine.generate(["What is 2+2?"], n=4, max_tokens=64, temperature=1.0, seed=0)
+
+    No weights are copied: generation reads the model's parameters in place, so an optimizer step
+    is seen by the next `generate`. The native backend on GPU moves each layer's q/k/v and gate/up
+    parameters into one tensor per group when it is built (rollout/native/fused.py), so build an
+    optimizer over `engine.model` after the engine (TrainerEngine does).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, backend: str = "auto", **backend_kwargs):

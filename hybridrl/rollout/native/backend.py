@@ -16,7 +16,7 @@ import torch
 from ..types import GeneratedSequence, GenerationRequest, OnFinished, order_sequences
 from .arch import DecoderWeights, supports
 from .cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
-from .fused import FusedWeights
+from .fused import FusedWeights, fuse_parameters
 from .kv_cache import PagedKVCache
 from .model import NativeDecoder
 from .ops_torch import TorchOps
@@ -44,7 +44,7 @@ class NativeBackend:
         cuda_graphs: bool = True,
         sync_every: int = 16,  # decode steps between host checks when stop tokens can end rows
         num_kv_blocks: int | None = None,  # fixed cache size (overrides kv_cache_fraction)
-        fuse_weights: bool | None = None,  # q|k|v, gate|up copies for decode (fused.py); default: on GPU
+        fuse_weights: bool | None = None,  # q|k|v, gate|up as one tensor each, shared in place (fused.py); default: on GPU
     ):
         if not 0.0 < kv_cache_fraction < 1.0:
             raise ValueError(f"kv_cache_fraction ({kv_cache_fraction}) must be in (0, 1)")
@@ -67,6 +67,10 @@ class NativeBackend:
         self.sync_every = sync_every
         self.num_kv_blocks = num_kv_blocks
         self.fuse_weights = self.on_cuda if fuse_weights is None else fuse_weights
+        if self.fuse_weights:
+            # q/k/v and gate/up parameters become row slices of one tensor each: the decode step
+            # reads them fused with no copy (fused.py). Optimizers must be built after this.
+            fuse_parameters(model.model.layers)
         self.cache: PagedKVCache | None = None
         self.state: DecodeState | None = None
         self.graphs = DecodeGraphs(self._graph_step, self._snapshot, self._restore, buckets)
@@ -201,7 +205,8 @@ class NativeBackend:
             layers = self.weights.layers()
             if self.decoder.fused is None:
                 self.decoder.fused = FusedWeights(layers)
-            self.decoder.fused.refresh(layers)  # this call sees the trainer's latest weights
+            else:
+                self.decoder.fused.refresh(layers)  # views stay views; copies take the latest weights
         key = (
             id(self.cache), id(self.state), id(self.decoder.fused), self.decoder.cos.data_ptr(),
             tuple(t.data_ptr() for t in self.weights.tensors()),
