@@ -32,14 +32,6 @@ from pathlib import Path
 
 import torch
 
-SHAPES = {
-    "0.5B": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936),
-    "1.5B": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960, vocab_size=151936),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=1000),
-}  # fmt: skip
 HBM_BYTES_PER_S = 4.0e12  # measured device-to-device copy on the H200 (BENCHMARK.md)
 MEASURED_BF16_FLOPS = 790e12  # measured large bf16 matmul on the H200 (BENCHMARK.md)
 SPECIAL = ["<|pad|>", "<|endoftext|>", "<|unk|>"]
@@ -81,6 +73,8 @@ def build_workload(w: Workload, out: Path, device: str) -> list[str]:
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
+    from hybridrl.models.synthetic import SHAPES, random_model
+
     shape = SHAPES[w.size]
     vocab = {tok: i for i, tok in enumerate(SPECIAL)}
     vocab.update({f"t{i}": i for i in range(len(SPECIAL), shape["vocab_size"])})
@@ -90,14 +84,8 @@ def build_workload(w: Workload, out: Path, device: str) -> list[str]:
         tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|endoftext|>", unk_token="<|unk|>", padding_side="left"
     )
     tokenizer.save_pretrained(out)
-    config = transformers.Qwen2Config(
-        **shape, tie_word_embeddings=True, max_position_embeddings=4096, pad_token_id=0, eos_token_id=1, bos_token_id=None
-    )
-    torch.manual_seed(42)
-    with torch.device(device):
-        model = transformers.Qwen2ForCausalLM(config)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model.to(dtype).save_pretrained(out)
+    model = random_model(w.size, device, max_position_embeddings=4096, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    model.save_pretrained(out)
     del model
     g = torch.Generator().manual_seed(0)
     steps_of_prompts = 64  # distinct prompts for every step either system runs
@@ -119,6 +107,8 @@ def physical_bound_s(w: Workload, num_params: int, weight_bytes: int) -> float:
     """Decode reads the weights and the KV cache once per step; training is 8 N T FLOPs (6 policy, 2 reference)."""
     if w.size == "0.5B":
         return 1.35  # BENCHMARK.md
+    from hybridrl.models.synthetic import SHAPES
+
     s = SHAPES[w.size]
     head_dim = s["hidden_size"] // s["num_attention_heads"]
     kv_per_token = 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * head_dim * 2

@@ -20,28 +20,12 @@ import time
 import torch
 import transformers
 
+from hybridrl.models.synthetic import random_model
 from hybridrl.rollout.native import NativeBackend
 from hybridrl.rollout.types import GenerationRequest
 
-SHAPES = {
-    "0.5B": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936),
-    "1.5B": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960, vocab_size=151936),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=1000),
-}  # fmt: skip
 HBM_BYTES_PER_S = 4.0e12  # measured device-to-device copy on the H200 (KINDS.md: ~4.3 TB/s)
 W05B_BOUND_S = 0.35  # BENCHMARK.md's decode bound for W0.5B
-
-
-def build_model(size: str, device: str) -> transformers.Qwen2ForCausalLM:
-    config = transformers.Qwen2Config(**SHAPES[size], tie_word_embeddings=True, max_position_embeddings=32768)
-    torch.manual_seed(42)
-    with torch.device(device):
-        model = transformers.Qwen2ForCausalLM(config)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    return model.to(dtype).eval()
 
 
 def sync(device: str) -> None:
@@ -195,7 +179,7 @@ def main() -> None:
     if device == "cpu":
         torch.set_num_threads(1)  # tiny matmuls: a second thread's wake-up costs more than it saves
 
-    model = build_model(size, device)
+    model = random_model(size, device)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, model.config.vocab_size, (args.prompts, args.prompt_len), generator=g).tolist()
     request = GenerationRequest(prompts, n=args.n, max_tokens=[args.max_tokens] * args.prompts,
