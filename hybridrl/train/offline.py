@@ -52,6 +52,14 @@ class OfflineAlgorithm:
     def loss(self, model, ref_model, micro: list, norm: dict[str, float], device) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
 
+    def logps_with_reference(self, model, ref_model, prompts, completions, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed completion log-probs `[B]` under the policy (with gradients) and the frozen reference."""
+        batch = completion_batch(prompts, completions, self.pad_id).to(device)
+        logps = sequence_logps(model, batch)
+        with torch.no_grad():
+            ref_logps = sequence_logps(ref_model, batch)
+        return logps, ref_logps
+
 
 @OFFLINE_ALGORITHMS.register("sft")
 class SFT(OfflineAlgorithm):
@@ -99,10 +107,7 @@ class DPO(OfflineAlgorithm):
     def loss(self, model, ref_model, micro, norm, device):
         prompts = [ex.prompt_ids for ex in micro] * 2
         completions = [ex.chosen_ids for ex in micro] + [ex.rejected_ids for ex in micro]
-        batch = completion_batch(prompts, completions, self.pad_id).to(device)
-        logps = sequence_logps(model, batch)
-        with torch.no_grad():
-            ref_logps = sequence_logps(ref_model, batch)
+        logps, ref_logps = self.logps_with_reference(model, ref_model, prompts, completions, device)
         n = len(micro)
         a = self.config.algorithm
         loss, m = dpo_loss(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], beta=a.beta, loss_type=a.dpo_loss,
@@ -142,10 +147,7 @@ class KTO(OfflineAlgorithm):
         completions = [ex.completion_ids for ex in micro]
         # The KL reference point uses mismatched pairs: each prompt with the next example's completion.
         shifted = completions[1:] + completions[:1]
-        batch = completion_batch(prompts + prompts, completions + shifted, self.pad_id).to(device)
-        logps = sequence_logps(model, batch)
-        with torch.no_grad():
-            ref_logps = sequence_logps(ref_model, batch)
+        logps, ref_logps = self.logps_with_reference(model, ref_model, prompts + prompts, completions + shifted, device)
         labels = torch.tensor([ex.label for ex in micro], dtype=torch.bool, device=device)
         a = self.config.algorithm
         loss, m = kto_loss(logps[:n], ref_logps[:n], labels, logps[n:].detach(), ref_logps[n:], beta=a.beta,
