@@ -4,6 +4,9 @@
     python bench/compare_trl.py --size 1.5B       # W1.5B
     python bench/compare_trl.py --tiny            # the same comparison on a tiny model, on CPU, in seconds
     python bench/compare_trl.py --json out.json   # also write the table's figures
+    python bench/compare_trl.py --skip-trl --set train.compile=false --variant fp32:train.master_weights=fp32
+                                                  # hybridrl only, changed settings, an extra row
+    python bench/compare_trl.py --skip-trl --profile 3   # torch.profiler summary of hybridrl's step 3
 
 Both systems run GRPO with a KL of 0.04 to a reference model, lr 1e-6, temperature 1.0 and one
 optimizer step per 256 responses (TRL: per_device_train_batch_size=16, gradient_accumulation_steps=16),

@@ -1,0 +1,50 @@
+"""Micro-batch metrics read once per optimizer step; the no-grad passes' token budget."""
+
+import torch
+
+from conftest import small_config
+from hybridrl.cli.commands import build_trainer
+from hybridrl.train import update
+from hybridrl.trainer import rl_step
+
+
+def test_micro_batch_metrics_are_summed_on_device_and_read_once(monkeypatch):
+    """Tensor metrics are accumulated without a host sync per micro-batch and come out as floats:
+    sums for losses, means for the rest, maxima for "/max" keys, floats and tensors mixed."""
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    values = [1.0, 3.0, 2.0]
+
+    def loss_fn(i):
+        loss = model(torch.ones(1, 2)).sum() * 0.0
+        v = torch.tensor(values[i])
+        return loss, {"a/loss": v, "a/frac": v * 2, "a/diff/max": v, "a/plain": float(i)}
+
+    reads = []
+    real_stack = torch.stack
+    monkeypatch.setattr(update.torch, "stack", lambda ts, *a, **k: reads.append(len(ts)) or real_stack(ts, *a, **k))
+    result = update.optimizer_step(model, optimizer, [0, 1, 2], loss_fn, grad_clip=0.0)
+    m = result.metrics
+    assert m["a/loss"] == 6.0 and m["a/frac"] == 4.0 and m["a/diff/max"] == 3.0 and m["a/plain"] == 1.0
+    assert all(isinstance(v, float) for v in m.values())
+    assert 3 in reads  # the three tensor metrics were read in one stacked transfer
+
+
+def test_no_grad_passes_use_their_own_token_budget(tmp_path, arith_data, monkeypatch):
+    budgets = []
+    real = rl_step.batched_logprobs
+
+    def spy(model, batch, **kwargs):
+        budgets.append(kwargs["max_tokens"])
+        return real(model, batch, **kwargs)
+
+    monkeypatch.setattr(rl_step, "batched_logprobs", spy)
+    cfg = small_config(tmp_path, arith_data, **{"train.total_steps": 1, "train.max_tokens_per_micro_batch": 64,
+                                                "train.max_tokens_per_forward": 512, "trainer.eval_every": 0})  # fmt: skip
+    build_trainer(cfg).fit()
+    assert budgets == [512]  # the reference pass (on-policy: no old-log-prob pass)
+    budgets.clear()
+    cfg = small_config(tmp_path / "b", arith_data, **{"train.total_steps": 1, "train.max_tokens_per_micro_batch": 64,
+                                                      "trainer.eval_every": 0})  # fmt: skip
+    build_trainer(cfg).fit()
+    assert budgets == [64]  # unset: the training budget
