@@ -113,7 +113,7 @@ class TrainConfig:
     # weights + bf16 Kahan compensation, bf16 moments and gradients (10 B/param, bf16 only); "none": AdamW in bf16
     master_weights: str = "fp32"
     offload_reference: bool = False  # keep the reference model in pinned CPU memory except during its forward pass
-    compile: bool = False  # torch.compile each decoder layer of the trained model; for the native rollout backend (hf generate recompiles per shape)
+    compile: bool = False  # torch.compile the decoder layers of the policy, reference and critic; for the native rollout backend (hf generate recompiles per shape)
     ppo_epochs: int = 1  # passes over each rollout batch
     lr: float = 1e-6  # actor learning rate
     critic_lr: float = 1e-5  # critic learning rate (PPO)
