@@ -60,3 +60,19 @@ def test_compare_trl_tiny_runs_hybridrl_and_skips_a_missing_trl(tmp_path):
         assert "trl" in trl["skipped"]
     else:
         assert trl["step_time_s"] > 0 and result["speedup"] > 0
+
+
+def test_tiny_learning_bench_evaluates_at_its_marks(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import tiny_learning
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    out = tmp_path / "curve.json"
+    result = tiny_learning.main(["--budget", "1", "--marks", "0.3,1", "--skip-trl", "--json", str(out)])
+    assert out.exists()
+    h = result["hybridrl"]
+    curve = h["curve"]
+    assert [p["train_s"] >= m for p, m in zip(curve, (0.0, 0.3, 1.0))] == [True, True, True] and len(curve) == 3
+    assert curve[0]["accuracy"] == 0.265  # the shipped model, greedy, as `hybridrl demo` reports it before training
+    assert h["steps"] == curve[-1]["steps"] > 0 and h["s_per_step"] > 0
