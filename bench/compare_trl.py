@@ -124,23 +124,6 @@ def physical_bound_s(w: Workload, num_params: int, weight_bytes: int) -> float:
 # ---- the two halves -------------------------------------------------------------------------------
 
 
-def apply_overrides(cfg, overrides: list[str]) -> None:
-    """`section.key=value` items (as `hybridrl train` takes them) applied to a built Config."""
-    from hybridrl.config.loading import parse_override
-    from hybridrl.config.validate import validate_config
-
-    for item in overrides:
-        key, value = parse_override(item)
-        *path, name = key.split(".")
-        node = cfg
-        for part in path:
-            node = getattr(node, part)
-        if not hasattr(node, name):
-            raise SystemExit(f"--set {item}: {key} is not a config key")
-        setattr(node, name, value)
-    validate_config(cfg)
-
-
 def profile_step(trainer, step: int, top: int = 40):
     """Runs step `step` (1-based) of `trainer.fit` under torch.profiler and prints where the GPU time went."""
     original = trainer.train_step
@@ -168,6 +151,7 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
                  overrides: list[str] = (), profile: int = 0) -> dict:  # fmt: skip
     from hybridrl import RolloutEngine, TrainerEngine
     from hybridrl.config import Config
+    from hybridrl.config.loading import apply_overrides
     from hybridrl.metrics import read_records
     from hybridrl.models import load_causal_lm
     from hybridrl.rollout.native.scheduler import blocks_for
@@ -196,7 +180,7 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
         t.max_tokens_per_forward = 2 * w.max_tokens_per_micro_batch  # the no-grad reference pass
         t.master_weights = "compensated"  # bf16 weights + bf16 Kahan compensation, bf16 AdamW moments
     cfg.trainer.output_dir, cfg.trainer.save_every, cfg.trainer.progress, cfg.trainer.resume = str(work_dir / "run"), 0, False, "off"
-    apply_overrides(cfg, list(overrides))
+    cfg = apply_overrides(cfg, overrides)  # --set / --variant, checked as `hybridrl train` checks them
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer = TrainerEngine(actor=engine, reward_fn=reward_fn, algorithm="grpo", config=cfg)

@@ -66,3 +66,14 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(write(tmp_path, "model: [unclosed"))
     with pytest.raises(ConfigError, match="must look like section.key=value"):
         load_config(write(tmp_path, GOOD), ["train.lr"])
+
+
+def test_apply_overrides_to_a_built_config():
+    from hybridrl.config.loading import apply_overrides
+
+    base = load_config(None, ["model.path=some/model", "data.train_path=rows.jsonl"])
+    changed = apply_overrides(base, ["train.lr=2e-5", "train.adam_betas=[0.9,0.95]"])
+    assert changed.train.lr == 2e-5 and changed.train.adam_betas == (0.9, 0.95)
+    assert base.train.lr != 2e-5 and changed.model.path == "some/model"  # a copy; the rest kept
+    with pytest.raises(ConfigError, match="train.lrr"):
+        apply_overrides(base, ["train.lrr=1"])

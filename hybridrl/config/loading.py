@@ -27,11 +27,20 @@ DEPRECATED_KEYS: dict[str, tuple[str, Any]] = {
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
     """Reads a YAML file (optional), applies dotted `key=value` overrides, validates once."""
-    from hybridrl.config.validate import validate_config
-
     raw: dict[str, Any] = {}
     if path is not None:
         raw = read_yaml(path)
+    return _build(raw, overrides)
+
+
+def apply_overrides(config: Config, overrides: Iterable[str]) -> Config:
+    """A copy of `config` with dotted `key=value` overrides applied, checked as `load_config` checks them."""
+    return _build(to_dict(config), overrides)
+
+
+def _build(raw: dict[str, Any], overrides: Iterable[str]) -> Config:
+    from hybridrl.config.validate import validate_config
+
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(raw, key, value)
