@@ -77,7 +77,7 @@ def _accumulate(micro_batches: list[Any], loss_fn: LossFn) -> tuple[dict[str, fl
             if k not in sums:
                 sums[k] = v
             elif k.endswith("/max"):
-                sums[k] = torch.maximum(torch.as_tensor(sums[k]), torch.as_tensor(v)) if isinstance(v, torch.Tensor) or isinstance(sums[k], torch.Tensor) else max(sums[k], v)
+                sums[k] = torch.maximum(torch.as_tensor(sums[k]), torch.as_tensor(v))
             else:
                 sums[k] = sums[k] + v
     keys = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
