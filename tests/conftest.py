@@ -24,6 +24,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def save_random_head_reward_model(out: Path, seed: int) -> Path:
+    """The tiny model as a reward model with a random (seeded) head, saved to `out` as a HF directory:
+    a stand-in for a trained reward model."""
+    from hybridrl.reward.model import TrainableRewardModel
+
+    trainable = TrainableRewardModel.from_hf(str(TINY_MODEL), device="cpu")
+    torch.manual_seed(seed)
+    torch.nn.init.normal_(trainable.model.score.weight, std=0.5)
+    trainable.model.save_pretrained(out)
+    trainable.tokenizer.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
     return TINY_MODEL

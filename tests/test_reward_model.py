@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from conftest import TINY_MODEL
+from conftest import TINY_MODEL, save_random_head_reward_model
 from hybridrl.data import load_preference_dataset
 from hybridrl.models.loading import ModelLoadError
 from hybridrl.reward import RewardEngine, RewardError
@@ -20,13 +20,7 @@ RESPONSES = ["3", "46", "1008", "", "77 and some more text", "36", "99"]
 @pytest.fixture(scope="module")
 def rm_dir(tmp_path_factory):
     """The tiny model as a reward model with a random (seeded) head, saved as a HF directory."""
-    out = tmp_path_factory.mktemp("rm")
-    trainable = TrainableRewardModel.from_hf(str(TINY_MODEL), device="cpu")
-    torch.manual_seed(0)
-    torch.nn.init.normal_(trainable.model.score.weight, std=0.5)
-    trainable.model.save_pretrained(out)
-    trainable.tokenizer.save_pretrained(out)
-    return out
+    return save_random_head_reward_model(tmp_path_factory.mktemp("rm"), seed=0)
 
 
 def component(engine: RewardEngine) -> RewardModel:

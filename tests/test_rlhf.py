@@ -8,10 +8,9 @@ import time
 import pytest
 import torch
 
-from conftest import TINY_MODEL, small_config
+from conftest import TINY_MODEL, save_random_head_reward_model, small_config
 from hybridrl.cli.commands import build_trainer
 from hybridrl.metrics import read_records
-from hybridrl.reward.model import TrainableRewardModel
 
 STABLE = lambda records: [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/", "memory/", "reward/overlap"))}
                           for r in records]
@@ -30,13 +29,7 @@ def slow_on_multiples_of_three(prompts, responses, ground_truth, **columns):
 @pytest.fixture(scope="module")
 def reward_model_dir(tmp_path_factory):
     """The tiny model with a random (seeded) reward head: a stand-in for a trained reward model."""
-    out = tmp_path_factory.mktemp("rm")
-    trainable = TrainableRewardModel.from_hf(str(TINY_MODEL), device="cpu")
-    torch.manual_seed(1)
-    torch.nn.init.normal_(trainable.model.score.weight, std=0.5)
-    trainable.model.save_pretrained(out)
-    trainable.tokenizer.save_pretrained(out)
-    return out
+    return save_random_head_reward_model(tmp_path_factory.mktemp("rm"), seed=1)
 
 
 def test_timed_out_samples_are_reported_not_waited_for(tmp_path, arith_data, caplog):

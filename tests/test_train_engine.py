@@ -3,6 +3,7 @@ reference offload; the step record carries MFU, throughput and memory."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -43,12 +44,17 @@ def test_packed_token_budget_step_matches_the_padded_step(tmp_path, arith_data):
     assert packed["perf/tokens_per_s"] > 0 and "memory/peak_rss_gib" in packed
 
 
-def test_compare_trl_tiny_runs_hybridrl_and_skips_a_missing_trl(tmp_path):
+def _bench_script(name: str):
+    """Imports bench/<name>.py (the benchmarks are scripts, not a package)."""
     sys.path.insert(0, str(REPO / "bench"))
     try:
-        import compare_trl
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(REPO / "bench"))
+
+
+def test_compare_trl_tiny_runs_hybridrl_and_skips_a_missing_trl(tmp_path):
+    compare_trl = _bench_script("compare_trl")
     out = tmp_path / "table.json"
     result = compare_trl.main(["--tiny", "--steps", "2", "--trl-steps", "2", "--json", str(out)])
     assert out.exists()
@@ -63,11 +69,7 @@ def test_compare_trl_tiny_runs_hybridrl_and_skips_a_missing_trl(tmp_path):
 
 
 def test_tiny_learning_bench_evaluates_at_its_marks(tmp_path):
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import tiny_learning
-    finally:
-        sys.path.remove(str(REPO / "bench"))
+    tiny_learning = _bench_script("tiny_learning")
     out = tmp_path / "curve.json"
     result = tiny_learning.main(["--budget", "1", "--marks", "0.3,1", "--skip-trl", "--json", str(out)])
     assert out.exists()
