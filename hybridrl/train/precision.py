@@ -119,10 +119,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
                     raise ValueError(f"CompensatedAdamW takes bf16 (or fp32) parameters, got {p.dtype}; use fp32 master weights for fp16 models")
                 if not p.is_contiguous():
                     raise ValueError("CompensatedAdamW needs contiguous parameters")
-                old = getattr(p, "_hybridrl_master_hook", None)  # an earlier MasterWeightAdamW would take the gradients
-                if old is not None:
-                    old.remove()
-                    p._hybridrl_master_hook = None
+                _remove_master_hook(p)  # an earlier MasterWeightAdamW's hook would take the gradients
         if fused and not triton_adamw.available():
             raise RuntimeError("CompensatedAdamW(fused=True) needs Triton")
         self.seed = seed
@@ -282,9 +279,7 @@ def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None) 
 
 def _replace_hook(param: torch.nn.Parameter, master: torch.Tensor) -> None:
     """Routes `param`'s gradients into `master.grad` (fp32); a newer optimizer replaces an older one's hook."""
-    old = getattr(param, "_hybridrl_master_hook", None)
-    if old is not None:
-        old.remove()
+    _remove_master_hook(param)
 
     def fold(p: torch.Tensor) -> None:
         if master.grad is None:
@@ -294,6 +289,13 @@ def _replace_hook(param: torch.nn.Parameter, master: torch.Tensor) -> None:
         p.grad = None
 
     param._hybridrl_master_hook = param.register_post_accumulate_grad_hook(fold)
+
+
+def _remove_master_hook(param: torch.nn.Parameter) -> None:
+    old = getattr(param, "_hybridrl_master_hook", None)
+    if old is not None:
+        old.remove()
+        param._hybridrl_master_hook = None
 
 
 def needs_master_weights(model: torch.nn.Module) -> bool:
