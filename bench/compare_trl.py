@@ -159,9 +159,6 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
     block = 16
     shared, own = blocks_for(w.prompt_len, w.max_tokens, w.n, block)
     num_blocks = w.prompts * (shared + w.n * own) + 64  # the whole step's KV, no more (peak memory)
-    model = load_causal_lm(str(model_dir), dtype="auto", device=device)
-    engine = RolloutEngine(model, load_tokenizer(model_dir), backend="native", num_kv_blocks=num_blocks, max_num_seqs=w.responses)
-    engine.path = str(model_dir)
     data = work_dir / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     cfg = Config()
@@ -181,6 +178,10 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
         t.master_weights = "compensated"  # bf16 weights + bf16 Kahan compensation, bf16 AdamW moments
     cfg.trainer.output_dir, cfg.trainer.save_every, cfg.trainer.progress, cfg.trainer.resume = str(work_dir / "run"), 0, False, "off"
     cfg = apply_overrides(cfg, overrides)  # --set / --variant, checked as `hybridrl train` checks them
+    model = load_causal_lm(str(model_dir), dtype="auto", device=device)
+    engine = RolloutEngine(model, load_tokenizer(model_dir), backend="native", num_kv_blocks=num_blocks,
+                           max_num_seqs=w.responses, fp32_residual=cfg.rollout.fp32_residual)  # fmt: skip
+    engine.path = str(model_dir)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer = TrainerEngine(actor=engine, reward_fn=reward_fn, algorithm="grpo", config=cfg)

@@ -2,6 +2,7 @@
 
     python bench/flex_attention.py                 # 16,384-token micro-batch, W0.5B heads
     python bench/flex_attention.py --tokens 32768
+    python bench/flex_attention.py --backward      # backward tiles, forward tiles fixed
 
 The micro-batch is laid out as training lays it out (hybridrl/train/packing.py): per prompt group
 `[prompt 256 | 8 responses x 512]`, each response seeing its prompt and its own earlier tokens,
@@ -20,7 +21,7 @@ from types import SimpleNamespace
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from hybridrl.train.attention import BLOCK, _block_mask
+from hybridrl.train.attention import BLOCK, FLEX_KERNEL_OPTIONS, _block_mask
 
 CANDIDATES = {
     "default": None,
@@ -29,6 +30,21 @@ CANDIDATES = {
     "m128_n128_w8_s2": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
     "m64_n64_w4_s3": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     "m128_n32_w4_s4": dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4),
+}
+# Backward tiles (`bwd_` options; the forward keeps FLEX_KERNEL_OPTIONS' tiles through `fwd_` ones).
+# torch's sm90 default for head_dim 64: BLOCK_M1 64, BLOCK_N1 128, BLOCK_M2 128, BLOCK_N2 64, 8 warps, 3 stages.
+_FWD = {"fwd_" + k: v for k, v in FLEX_KERNEL_OPTIONS.items() if not k.startswith(("fwd_", "bwd_"))}
+_bwd = lambda m1, n1, m2, n2, w, s: dict(_FWD, bwd_BLOCK_M1=m1, bwd_BLOCK_N1=n1, bwd_BLOCK_M2=m2, bwd_BLOCK_N2=n2, bwd_num_warps=w, bwd_num_stages=s)  # noqa: E731
+BWD_CANDIDATES = {
+    "current": FLEX_KERNEL_OPTIONS,
+    "b64_128_w8_s3": _bwd(64, 128, 128, 64, 8, 3),
+    "b64_128_w4_s3": _bwd(64, 128, 128, 64, 4, 3),
+    "b64_128_w8_s2": _bwd(64, 128, 128, 64, 8, 2),
+    "b64_128_w8_s4": _bwd(64, 128, 128, 64, 8, 4),
+    "b32_128_w4_s3": _bwd(32, 128, 128, 32, 4, 3),
+    "b64_64_w4_s3": _bwd(64, 64, 64, 64, 4, 3),
+    "b32_64_w4_s4": _bwd(32, 64, 64, 32, 4, 4),
+    "b128_128_w8_s2": _bwd(128, 128, 128, 128, 8, 2),
 }
 
 
@@ -48,14 +64,20 @@ def layout(tokens: int, prompt: int, n: int, response: int, device) -> tuple[Sim
     return SimpleNamespace(doc_ids=as_t(doc), branch_ids=as_t(branch)), pairs
 
 
-def timed(fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
+def timed(fn, repeats: int, rounds: int = 3) -> float:
+    """Best of `rounds` means over `repeats` calls, after 3 warm-up calls (compiles, autotuning,
+    clocks: a single warm-up call made whichever candidate ran first look twice as slow)."""
+    for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / repeats
+    best = float("inf")
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / repeats)
+    return best
 
 
 def main() -> None:
@@ -66,6 +88,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--only", nargs="*", default=None, help="candidate names to run")
+    ap.add_argument("--backward", action="store_true", help="sweep the backward tiles (BWD_CANDIDATES) instead")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -77,10 +100,11 @@ def main() -> None:
     q, k, v = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads)
     grad = torch.randn(1, args.heads, L, args.head_dim, device=device, dtype=torch.bfloat16)
     flops = 4 * pairs * args.head_dim * args.heads
+    torch._dynamo.config.recompile_limit = 64  # one compile per candidate (and per requires_grad), none run eagerly
     compiled = torch.compile(flex_attention)
     results = {}
     reference = None
-    for name, opts in CANDIDATES.items():
+    for name, opts in (BWD_CANDIDATES if args.backward else CANDIDATES).items():
         if args.only and name not in args.only:
             continue
         kw = dict(block_mask=mask, enable_gqa=True, scale=args.head_dim**-0.5, kernel_options=opts)

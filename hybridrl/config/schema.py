@@ -48,6 +48,7 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling threshold; 1 disables it
     top_k: int = 0  # keep only the k most likely tokens; 0 disables it
     kv_cache_fraction: float = 0.3  # native engine: fraction of free GPU memory for the KV cache
+    fp32_residual: bool = True  # native engine: carry the residual stream in fp32 (rollout log-probs closer to exact, hence to the trainer's)
     eval_temperature: float = 0.0  # temperature for evaluation (0: greedy accuracy)
 
 
@@ -113,6 +114,10 @@ class TrainConfig:
     # weights + bf16 Kahan compensation, bf16 moments and gradients (10 B/param, bf16 only); "none": AdamW in bf16
     master_weights: str = "fp32"
     offload_reference: bool = False  # keep the reference model in pinned CPU memory except during its forward pass
+    # bf16 models: carry the policy's and reference's residual stream in fp32 (train/residual.py), as the
+    # native rollout engine does (rollout.fp32_residual): log-probs closer to exact and to the rollout's;
+    # with gradient checkpointing each layer's saved input takes fp32 instead of bf16
+    fp32_residual: bool = False
     compile: bool = False  # torch.compile the decoder layers of the policy, reference and critic; for the native rollout backend (hf generate recompiles per shape)
     ppo_epochs: int = 1  # passes over each rollout batch
     lr: float = 1e-6  # actor learning rate

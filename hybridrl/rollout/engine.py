@@ -57,10 +57,22 @@ class RolloutEngine:
     optimizer over `engine.model` after the engine (TrainerEngine does).
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer, backend: str = "auto", **backend_kwargs):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        backend: str = "auto",
+        *,
+        native_options: dict[str, Any] | None = None,
+        **backend_kwargs,
+    ):
+        """`backend_kwargs` go to the chosen backend; `native_options` (kv_cache_fraction,
+        fp32_residual, ...) only to the native one, so one call serves `backend="auto"` on any device."""
         self.model = model
         self.tokenizer = tokenizer
         self.backend_name = self._choose_backend(model, backend)
+        if self.backend_name == "native" and native_options:
+            backend_kwargs = {**native_options, **backend_kwargs}
         self.backend = BACKENDS[self.backend_name](model, tokenizer, **backend_kwargs)
 
     @classmethod
@@ -74,6 +86,7 @@ class RolloutEngine:
         attn_implementation: str | None = None,
         trust_remote_code: bool = False,
         chat_template: str | None = None,
+        native_options: dict[str, Any] | None = None,
         **backend_kwargs,
     ) -> "RolloutEngine":
         """Loads a model and tokenizer from a Hub id or a local directory."""
@@ -83,7 +96,7 @@ class RolloutEngine:
         model = load_causal_lm(
             path, dtype=dtype, device=device, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
         )
-        engine = cls(model, tokenizer, backend=backend, **backend_kwargs)
+        engine = cls(model, tokenizer, backend=backend, native_options=native_options, **backend_kwargs)
         engine.path = path
         return engine
 

@@ -9,12 +9,14 @@ import torch
 
 from hybridrl.config import TrainConfig
 from hybridrl.train.attention import enable_packed_attention, supports_packing
+from hybridrl.train.residual import enable_fp32_residual
 
 log = logging.getLogger("hybridrl.train")
 
 
 def prepare_for_training(model: torch.nn.Module, train: TrainConfig, *, gradient_checkpointing: bool) -> bool:
-    """Applies `model.gradient_checkpointing` and `train.packing`; returns whether batches are packed.
+    """Applies `model.gradient_checkpointing`, `train.fp32_residual` and `train.packing`; returns
+    whether batches are packed.
 
     Packing "auto" is on for CUDA models with sdpa or eager attention (on CPU the dense packed mask
     costs more than the padding it saves on short sequences).
@@ -24,6 +26,8 @@ def prepare_for_training(model: torch.nn.Module, train: TrainConfig, *, gradient
             warnings.simplefilter("ignore", FutureWarning)
             # Non-reentrant: works with frozen inputs and keyword arguments (the packed attention mask).
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if train.fp32_residual:
+        enable_fp32_residual(model)
     on_cuda = next(model.parameters()).device.type == "cuda"
     packed = train.packing == "on" or (train.packing == "auto" and on_cuda and supports_packing(model))
     if packed:

@@ -45,6 +45,7 @@ class NativeBackend:
         sync_every: int = 16,  # decode steps between host checks when stop tokens can end rows
         num_kv_blocks: int | None = None,  # fixed cache size (overrides kv_cache_fraction)
         fuse_weights: bool | None = None,  # q|k|v, gate|up as one tensor each, shared in place (fused.py); default: on GPU
+        fp32_residual: bool = True,  # carry the residual stream in fp32 (model.NativeDecoder)
     ):
         if not 0.0 < kv_cache_fraction < 1.0:
             raise ValueError(f"kv_cache_fraction ({kv_cache_fraction}) must be in (0, 1)")
@@ -57,7 +58,7 @@ class NativeBackend:
             ops = TritonOps()
         else:
             ops = TorchOps()
-        self.decoder = NativeDecoder(self.weights, ops)
+        self.decoder = NativeDecoder(self.weights, ops, fp32_residual=fp32_residual)
         self.kv_cache_fraction = kv_cache_fraction
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens

@@ -15,8 +15,11 @@ from .ops_torch import apply_rope, rms_norm, write_kv
 class NativeDecoder:
     """Runs a supported HF decoder on the paged cache with a given set of decode ops."""
 
-    def __init__(self, weights: DecoderWeights, ops):
+    def __init__(self, weights: DecoderWeights, ops, *, fp32_residual: bool = False):
         self.weights = weights
+        # True: the residual stream is carried in fp32 (HF rounds it to the model dtype after every
+        # add). Projections, attention and norms' outputs keep the model dtype either way.
+        self.fp32_residual = fp32_residual
         self.spec = weights.spec
         self.ops = ops  # TorchOps (CPU) or TritonOps (CUDA)
         self.cos: torch.Tensor | None = None  # [P, D/2] fp32 rope tables
@@ -48,6 +51,8 @@ class NativeDecoder:
         valid_slots = slots[valid]
         cos, sin = self.cos[:length][None, :, None], self.sin[:length][None, :, None]
         x = F.embedding(input_ids, w.embed)  # [P, L, H]
+        if self.fp32_residual:
+            x = x.float()
         for layer, lw in enumerate(w.layers()):
             residual = x
             h = rms_norm(x, lw.input_norm, spec.rms_eps)
@@ -80,7 +85,7 @@ class NativeDecoder:
         spec, w, ops = self.spec, self.weights, self.ops
         context_lens = positions + 1
         x = F.embedding(tokens, w.embed)  # [B, H]
-        residual = None
+        residual = x.new_zeros(x.shape, dtype=torch.float32) if self.fp32_residual else None
         fused = self.fused
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         for layer, lw in enumerate(w.layers()):
