@@ -190,7 +190,7 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
     trainer.fit(str(data))
     records = read_records(work_dir / "run" / "metrics.jsonl")
     for r in records:
-        print("hybridrl step", r["step"], {k: round(v, 3) for k, v in r.items() if isinstance(v, float) and k.startswith(("timing/", "perf/", "memory/", "actor/kl", "rollout/logprob_diff"))}, flush=True)
+        print("hybridrl step", r["step"], {k: round(v, 3) for k, v in r.items() if isinstance(v, float) and k.startswith(("timing/", "perf/", "memory/", "actor/kl", "rollout/logprob_diff", "rollout/host_syncs"))}, flush=True)
     later = records[1:] or records
     mean = lambda key: sum(r[key] for r in later if r.get(key) is not None) / max(1, sum(r.get(key) is not None for r in later))  # noqa: E731
     phases = sorted({k for r in later for k in r if k.startswith("timing/")})
@@ -199,7 +199,8 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
         "step_times_s": [r["timing/step"] for r in records],
         "response_tokens_per_step": mean("rollout/response_length/mean") * w.responses,
         "peak_allocated_gib": max(r.get("memory/peak_allocated_gib") or 0.0 for r in records) if device == "cuda" else None,
-        "phases_s": {k.removeprefix("timing/"): mean(k) for k in phases},
+        "phases_s": {k.removeprefix("timing/"): mean(k) for k in phases if k.count("/") == 1},
+        "rollout_engine": {k.removeprefix("timing/rollout/"): mean(k) for k in phases if k.startswith("timing/rollout/")},
         "mfu_actor": mean("perf/mfu/actor") if device == "cuda" else None,
         "mfu_ref": mean("perf/mfu/ref") if device == "cuda" else None,
         "kl": later[-1].get("actor/kl"),
@@ -344,6 +345,8 @@ def print_table(result: dict) -> None:
     if "phases_s" in h:
         phases = ", ".join(f"{k} {v:.3f}" for k, v in h["phases_s"].items())
         print(f"hybridrl phases (s, mean after the first step): {phases}")
+    if h.get("rollout_engine"):
+        print("hybridrl inside the rollout phase (s): " + ", ".join(f"{k} {v:.3f}" for k, v in h["rollout_engine"].items()))
         print(f"hybridrl rollout/logprob_diff: mean {_fmt(h.get('logprob_diff_mean'), '.3e')}, max {_fmt(h.get('logprob_diff_max'), '.3e')}")
         print(f"hybridrl MFU: actor {_fmt(h.get('mfu_actor'), '.1%')}, ref {_fmt(h.get('mfu_ref'), '.1%')}; "
               f"step times {['%.2f' % s for s in h['step_times_s']]}")  # fmt: skip

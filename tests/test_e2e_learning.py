@@ -44,7 +44,10 @@ def test_reward_rises(tmp_path, few_prompts, algorithm, extra):
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     for key in ("timing/rollout", "timing/reward", "timing/ref", "timing/train", "timing/step", "actor/pg_loss",
                 "actor/pg_clipfrac", "actor/entropy", "actor/grad_norm", "actor/lr", "reward/std",
-                "rollout/response_length/mean", "perf/tokens_per_s", "memory/peak_rss_gib"):
+                "rollout/response_length/mean", "perf/tokens_per_s", "memory/peak_rss_gib",
+                "timing/rollout/generate", "timing/rollout/postprocess", "timing/rollout/sleep"):
         assert isinstance(records[-1][key], (int, float)), key
+    # Generation's share of the rollout phase, and no evaluation time carried into a step's record.
+    assert all(r["timing/rollout/generate"] <= r["timing/rollout"] for r in records)
     if algorithm == "ppo":
         assert "critic/vf_loss" in records[-1] and "critic/grad_norm" in records[-1]

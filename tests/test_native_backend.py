@@ -281,3 +281,16 @@ def test_native_options_reach_only_the_native_backend():
     assert native.backend.decoder.fp32_residual and native.backend.kv_cache_fraction == 0.5
     hf = RolloutEngine(model, None, backend="hf", native_options={"fp32_residual": True})
     assert hf.backend_name == "hf"
+
+
+def test_generate_reports_where_its_time_went():
+    from hybridrl.rollout.engine import RolloutEngine
+
+    model = _model("qwen2")
+    engine = RolloutEngine(model, None, backend="native")
+    request = GenerationRequest(_prompts(), n=2, max_tokens=[12] * 4, temperature=1.0, seed=0, stop_token_ids=[9])
+    engine.backend.generate(request)
+    stats = engine.backend.stats
+    assert set(stats) == {"prepare_s", "prefill_s", "decode_s", "capture_s", "host_syncs"}
+    assert stats["prefill_s"] > 0 and stats["decode_s"] > 0 and stats["host_syncs"] >= 2
+    assert stats["capture_s"] == 0.0  # no CUDA graphs on CPU

@@ -79,3 +79,15 @@ def test_unknown_backend_is_a_clear_error(tiny_model_path):
 
     with pytest.raises(ValueError, match="rollout backend 'fast' is not known"):
         RolloutEngine.from_hf(str(tiny_model_path), backend="fast")
+
+
+def test_engine_stats_sum_over_calls_and_pop_resets(tiny_model_path):
+    from hybridrl import RolloutEngine
+
+    e = RolloutEngine.from_hf(str(tiny_model_path), backend="hf", device="cpu")
+    e.generate(["1+1="], n=2, max_tokens=3, seed=0)
+    e.generate(["2+2="], n=2, max_tokens=3, seed=0)
+    e.sleep()
+    stats = e.pop_stats()
+    assert {"generate_s", "postprocess_s", "sleep_s"} <= set(stats) and stats["generate_s"] > 0
+    assert e.pop_stats() == {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -74,6 +75,7 @@ class RolloutEngine:
         if self.backend_name == "native" and native_options:
             backend_kwargs = {**native_options, **backend_kwargs}
         self.backend = BACKENDS[self.backend_name](model, tokenizer, **backend_kwargs)
+        self.stats: dict[str, float] = {}  # pop_stats()
 
     @classmethod
     def from_hf(
@@ -174,15 +176,33 @@ class RolloutEngine:
         callback = None if on_finished is None else (lambda seq: on_finished(to_sample(seq)))
         was_training = self.model.training
         self.model.eval()
+        start = time.perf_counter()
         try:
             seqs = self.backend.generate(request, callback)
         finally:
             self.model.train(was_training)
-        return [to_sample(s) for s in seqs]
+        middle = time.perf_counter()
+        samples = [to_sample(s) for s in seqs]
+        self._add_stats({**getattr(self.backend, "stats", {}), "generate_s": middle - start,
+                         "postprocess_s": time.perf_counter() - middle})  # fmt: skip
+        return samples
 
     def sleep(self) -> None:
         """Frees generation memory (KV cache) so training can use it."""
+        start = time.perf_counter()
         self.backend.sleep()
+        self._add_stats({"sleep_s": time.perf_counter() - start})
+
+    def _add_stats(self, stats: dict[str, float]) -> None:
+        for key, value in stats.items():
+            self.stats[key] = self.stats.get(key, 0) + value
+
+    def pop_stats(self) -> dict[str, float]:
+        """Where generation time went since the last call, summed over generate() / sleep() calls:
+        `generate_s` (the backend), `postprocess_s` (detokenising into samples), `sleep_s`, and the
+        native backend's own split (`prepare_s`, `prefill_s`, `decode_s`, `capture_s`, `host_syncs`)."""
+        stats, self.stats = self.stats, {}
+        return stats
 
     def wake(self) -> None:
         self.backend.wake()

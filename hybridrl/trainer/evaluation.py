@@ -21,6 +21,7 @@ def evaluate(t: "TrainerEngine", eval_data) -> dict[str, float]:
         temperature=cfg.rollout.eval_temperature, seed=cfg.train.seed,
     )
     t.rollout.sleep()
+    t.rollout.pop_stats()  # evaluation's generation is not the next training step's
     columns = {k: [p.columns.get(k) for p in prompts] for k in sorted({k for p in prompts for k in p.columns})}
     result = t.reward.score([s.prompt for s in samples], [s.response for s in samples], columns,
                             response_ids=[s.response_ids for s in samples])

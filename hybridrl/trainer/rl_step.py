@@ -50,6 +50,7 @@ def rl_step(t: "TrainerEngine", prompts: list["PromptExample"]) -> dict[str, Any
         **adv_metrics,
         **train_metrics,
         **rollout_metrics(batch, samples, cfg.rollout.max_tokens),
+        **rollout_engine_metrics(t.rollout.pop_stats()),
         **mfu_metrics(t, ref_work),
         "train/skipped_updates": skipped,
         "_num_response_tokens": batch.num_response_tokens,
@@ -206,6 +207,12 @@ def rollout_metrics(batch: SequenceBatch, samples, max_tokens: int) -> dict[str,
         "rollout/response_length/min": float(lengths.min()),
         "rollout/clipped_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
     }
+
+
+def rollout_engine_metrics(stats: dict[str, float]) -> dict[str, float]:
+    """The rollout engine's split of `timing/rollout`: `timing/rollout/<part>` seconds, and counts
+    (`rollout/host_syncs`)."""
+    return {(f"timing/rollout/{k[:-2]}" if k.endswith("_s") else f"rollout/{k}"): v for k, v in stats.items()}
 
 
 def mfu_metrics(t: "TrainerEngine", ref_work: Work) -> dict[str, float | None]:

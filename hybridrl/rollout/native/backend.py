@@ -11,6 +11,8 @@ sleep().
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..types import GeneratedSequence, GenerationRequest, OnFinished, order_sequences
@@ -74,6 +76,7 @@ class NativeBackend:
             fuse_parameters(model.model.layers)
         self.cache: PagedKVCache | None = None
         self.state: DecodeState | None = None
+        self.stats: dict[str, float] = {}  # where the last generate() spent its time (generate's docstring)
         self.graphs = DecodeGraphs(self._graph_step, self._snapshot, self._restore, buckets)
         self._graph_key: tuple | None = None  # addresses the captured graphs were built on
 
@@ -123,12 +126,20 @@ class NativeBackend:
 
     @torch.no_grad()
     def generate(self, request: GenerationRequest, on_finished: OnFinished | None = None) -> list[GeneratedSequence]:
+        """Generates every request's samples. `self.stats` then holds where this call's time went
+        (host wall seconds between the loop's own host syncs, so measuring adds none): `prepare_s`
+        (wake, buffers), `prefill_s`, `decode_s` (graph replays or eager steps, with the host checks
+        that follow them), `capture_s` (CUDA-graph warm-up and capture, inside decode_s), `host_syncs`."""
+        start = time.perf_counter()
+        self.stats = {"prepare_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "capture_s": 0.0, "host_syncs": 0}
+        self.graphs.capture_s = 0.0
         max_tokens = self._check(request)
         params = SamplingParams(request.temperature, request.top_p, request.top_k)
         n, bs = request.n, self.block_size
         prompt_lens = [len(p) for p in request.prompt_ids]
         max_context = max(lp + m for lp, m in zip(prompt_lens, max_tokens))
         self._prepare(request, max_tokens, max_context)
+        self.stats["prepare_s"] = time.perf_counter() - start
         base_seed = request.seed if request.seed is not None else int(torch.randint(0, 2**62, ()).item())
 
         sched = Scheduler(self.cache.allocator, bs, self.max_slots, self.max_batch_tokens)
@@ -137,11 +148,15 @@ class NativeBackend:
         stop_set = set(request.stop_token_ids)
         results: list[GeneratedSequence] = []
         remaining: dict[int, int] = {}  # slot -> tokens left before max_tokens, as of the last check
+        stats = self.stats
         while sched.waiting or sched.running:
+            t0 = time.perf_counter()
             groups = sched.admit()
-            if groups:
+            if groups:  # (nothing changed since the last check otherwise: no host sync needed)
                 self._prefill(groups, sched, params, base_seed, n)
-            self._collect(sched, stop_set, results, on_finished, remaining)
+                self._collect(sched, stop_set, results, on_finished, remaining)
+            t1 = time.perf_counter()
+            stats["prefill_s"] += t1 - t0
             if not sched.running:
                 assert groups, "a waiting prompt fits an empty cache (checked by Scheduler.add)"
                 continue
@@ -151,7 +166,9 @@ class NativeBackend:
                 num_steps = min(num_steps, self.sync_every)
             self._decode(sched.batch_rows, params, num_steps)
             self._collect(sched, stop_set, results, on_finished, remaining)
+            stats["decode_s"] += time.perf_counter() - t1
         assert self.cache.allocator.num_free == self.cache.num_blocks - 1, "KV blocks leaked"
+        stats["capture_s"] = self.graphs.capture_s
         return order_sequences(results)
 
     def _check(self, request: GenerationRequest) -> list[int]:
@@ -258,6 +275,7 @@ class NativeBackend:
         rows = sched.batch_rows
         if rows == 0:
             return
+        self.stats["host_syncs"] += 1
         state = self.state
         done = state.done[:rows].cpu()
         steps = state.steps[:rows].cpu()

@@ -8,6 +8,8 @@ the KV cache and the DecodeState buffers: the owner drops them when any of those
 
 from __future__ import annotations
 
+import time
+
 from typing import Callable
 
 import torch
@@ -27,6 +29,7 @@ class DecodeGraphs:
         # One side stream for every warm-up and capture: cuBLAS keeps a workspace per stream, so a
         # new stream per capture would leak one workspace per sleep / wake cycle.
         self.stream: torch.cuda.Stream | None = None
+        self.capture_s = 0.0  # host seconds spent warming up and capturing (summed; the backend resets it)
 
     def bucket(self, batch: int) -> int:
         for b in self.buckets:
@@ -40,7 +43,9 @@ class DecodeGraphs:
         key = (bucket, params)
         graph = self.graphs.get(key)
         if graph is None:
+            start = time.perf_counter()
             graph = self.graphs[key] = self._capture(bucket, params)
+            self.capture_s += time.perf_counter() - start
         for _ in range(num_steps):
             graph.replay()
 
