@@ -126,6 +126,8 @@ def test_config_key_applies_to_policy_and_reference(tmp_path, arith_data, backen
     overrides = {"model.dtype": "bfloat16", "train.fp32_residual": True, "rollout.backend": backend, "train.total_steps": 2}
     trainer = build_trainer(small_config(tmp_path, arith_data, **overrides))
     assert has_fp32_residual(trainer.model) and has_fp32_residual(trainer.ref_model)
+    if backend == "native":  # rollout.fp32_residual (default on) reached the engine
+        assert trainer.rollout.backend.decoder.fp32_residual
     trainer.fit()
     records = read_records(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
