@@ -183,7 +183,7 @@ class RolloutEngine:
             self.model.train(was_training)
         middle = time.perf_counter()
         samples = [to_sample(s) for s in seqs]
-        self._add_stats({**getattr(self.backend, "stats", {}), "generate_s": middle - start,
+        self._add_stats({**self.backend.stats, "generate_s": middle - start,
                          "postprocess_s": time.perf_counter() - middle})  # fmt: skip
         return samples
 

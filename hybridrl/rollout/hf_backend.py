@@ -16,6 +16,7 @@ class HFBackend:
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size  # sequences per generate call (memory bound)
+        self.stats: dict[str, float] = {}  # generate() is one transformers call: no split of its time
 
     def sleep(self) -> None:  # transformers' cache lives only inside generate()
         pass

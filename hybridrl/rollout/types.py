@@ -39,6 +39,9 @@ class RolloutBackend(Protocol):
     """A generation engine bound to a model whose weights it shares, never copies."""
 
     name: str
+    # Where the last generate() spent its time, `<part>_s` seconds and counts (NativeBackend.generate);
+    # empty when the backend does not split it.
+    stats: dict[str, float]
 
     def generate(
         self, request: GenerationRequest, on_finished: OnFinished | None = None
