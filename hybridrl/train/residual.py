@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridrl.models.norms import rms_norm
+
 _FLAG = "_hybridrl_fp32_residual"
 
 
@@ -32,9 +34,7 @@ class RMSNormToWeightDtype(torch.nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        x = hidden_states.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(self.weight.dtype)
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
 def _embeddings_to_fp32(module, inputs, output: torch.Tensor) -> torch.Tensor:

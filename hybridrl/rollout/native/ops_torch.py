@@ -6,15 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridrl.models.norms import rms_norm
+
 from .sampling import SamplingParams, sample
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: normalise in fp32, cast back, then scale (Zhang & Sennrich 2019). An fp32
-    residual stream (`fp32_residual`) is normalised into the weight's dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype if x.dtype != torch.float32 else weight.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
