@@ -29,7 +29,7 @@ class DecodeGraphs:
         # One side stream for every warm-up and capture: cuBLAS keeps a workspace per stream, so a
         # new stream per capture would leak one workspace per sleep / wake cycle.
         self.stream: torch.cuda.Stream | None = None
-        self.capture_s = 0.0  # host seconds spent warming up and capturing (summed; the backend resets it)
+        self.capture_s = 0.0  # host seconds spent warming up and capturing, over the object's life
 
     def bucket(self, batch: int) -> int:
         for b in self.buckets:
