@@ -24,6 +24,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Runs a module of tiny-model tests single-threaded: waking a second BLAS thread costs more than
+    it saves (10x slower on a loaded 2-core machine). Use as `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def save_random_head_reward_model(out: Path, seed: int) -> Path:
     """The tiny model as a reward model with a random (seeded) head, saved to `out` as a HF directory:
     a stand-in for a trained reward model."""

@@ -14,14 +14,7 @@ from hybridrl.rollout.types import GenerationRequest
 VOCAB = 96
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These models are tiny: waking a second BLAS thread costs more than it saves (10x slower
-    # on a loaded 2-core machine), so run this module single-threaded and restore afterwards.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _config(arch: str):

@@ -18,12 +18,7 @@ from hybridrl.train.residual import RMSNormToWeightDtype, enable_fp32_residual, 
 VOCAB = 1000
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _models(seed: int = 0):
