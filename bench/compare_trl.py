@@ -7,6 +7,8 @@
     python bench/compare_trl.py --skip-trl --set train.compile=false --variant fp32:train.master_weights=fp32
                                                   # hybridrl only, changed settings, an extra row
     python bench/compare_trl.py --skip-trl --profile 3   # torch.profiler summary of hybridrl's step 3
+    python bench/compare_trl.py --skip-trl --profile 3 --trace step3.json.gz   # and its trace:
+    python bench/trace_summary.py step3.json.gz          # GPU busy / idle time and kernels, phase by phase
 
 Both systems run GRPO with a KL of 0.04 to a reference model, lr 1e-6, temperature 1.0 and one
 optimizer step per 256 responses (TRL: per_device_train_batch_size=16, gradient_accumulation_steps=16),
@@ -124,8 +126,11 @@ def physical_bound_s(w: Workload, num_params: int, weight_bytes: int) -> float:
 # ---- the two halves -------------------------------------------------------------------------------
 
 
-def profile_step(trainer, step: int, top: int = 40):
-    """Runs step `step` (1-based) of `trainer.fit` under torch.profiler and prints where the GPU time went."""
+def profile_step(trainer, step: int, top: int = 40, trace: str | None = None):
+    """Runs step `step` (1-based) of `trainer.fit` under torch.profiler and prints where the GPU time went.
+
+    With `trace`, also writes the step's Chrome trace there (gzipped when the name ends in .gz), for
+    bench/trace_summary.py or a trace viewer."""
     original = trainer.train_step
 
     def train_step(prompts):
@@ -142,13 +147,16 @@ def profile_step(trainer, step: int, top: int = 40):
         for e in phases:
             print(f"  {e.key:24s} cpu {e.cpu_time_total / 1e3:9.1f}  device {e.device_time_total / 1e3:9.1f}")
         print(events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=70))
+        if trace:
+            prof.export_chrome_trace(trace)  # torch gzips it when the name ends in .gz
+            print(f"[profile] trace written to {trace}")
         return record
 
     trainer.train_step = train_step
 
 
 def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, device: str, work_dir: Path,
-                 overrides: list[str] = (), profile: int = 0) -> dict:  # fmt: skip
+                 overrides: list[str] = (), profile: int = 0, trace: str | None = None) -> dict:  # fmt: skip
     from hybridrl import RolloutEngine, TrainerEngine
     from hybridrl.config import Config
     from hybridrl.config.loading import apply_overrides
@@ -186,7 +194,7 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
         torch.cuda.reset_peak_memory_stats()
     trainer = TrainerEngine(actor=engine, reward_fn=reward_fn, algorithm="grpo", config=cfg)
     if profile:
-        profile_step(trainer, profile)
+        profile_step(trainer, profile, trace=trace)
     trainer.fit(str(data))
     records = read_records(work_dir / "run" / "metrics.jsonl")
     for r in records:
@@ -262,10 +270,10 @@ def run_trl(w: Workload, model_dir: Path, prompts: list[str], steps: int, device
 
 
 def run_half(system: str, w: Workload, model_dir: Path, prompts: list[str], steps: int, device: str,
-             overrides: list[str] = (), profile: int = 0) -> dict:  # fmt: skip
+             overrides: list[str] = (), profile: int = 0, trace: str | None = None) -> dict:  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         if system == "hybridrl":
-            return run_hybridrl(w, model_dir, prompts, steps, device, Path(tmp), overrides, profile)
+            return run_hybridrl(w, model_dir, prompts, steps, device, Path(tmp), overrides, profile, trace)
         return run_trl(w, model_dir, prompts, steps, device, Path(tmp))
 
 
@@ -296,6 +304,8 @@ def run_in_subprocess(system: str, args, model_dir: Path, overrides: list[str] =
         cmd += ["--set", item]
     if profile:
         cmd += ["--profile", str(profile)]
+        if args.trace:
+            cmd += ["--trace", args.trace]
     proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if proc.returncode != 0:
         return {"error": f"{system} half exited with status {proc.returncode} (its output is above)"}
@@ -368,6 +378,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="also run hybridrl with these overrides (on top of --set) and print it as an extra row (repeatable)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEP",
                     help="print a torch.profiler summary of this hybridrl step (GPU)")
+    ap.add_argument("--trace", type=str, default=None, metavar="FILE",
+                    help="with --profile: also write that step's Chrome trace (FILE.json.gz: gzipped); bench/trace_summary.py reads it")
     ap.add_argument("--worker", choices=["hybridrl", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", type=str, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", type=str, help=argparse.SUPPRESS)
@@ -377,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.worker:  # one half, in a subprocess of the invocation below
         prompts = json.loads((Path(args.model_dir) / "prompts.json").read_text())
         steps_prompts = prompts[: w.prompts * max(args.steps, 1) * 2]
-        result = run_half(args.worker, w, Path(args.model_dir), steps_prompts, args.steps, device, args.set, args.profile)
+        result = run_half(args.worker, w, Path(args.model_dir), steps_prompts, args.steps, device, args.set, args.profile, args.trace)
         Path(args.worker_out).write_text(json.dumps(result))
         return result
 
@@ -394,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict:
             extra = {name: run_in_subprocess("hybridrl", args, model_dir, args.set + items) for name, items in variants}
             trl = {"skipped": missing} if missing else run_in_subprocess("trl", args, model_dir)
         else:  # CPU: no memory figures to keep apart, so one process is enough (and faster for CI)
-            run = lambda items, prof=0: run_half("hybridrl", w, model_dir, prompts[: w.prompts * args.steps * 2], args.steps, device, items, prof)  # noqa: E731
+            run = lambda items, prof=0: run_half("hybridrl", w, model_dir, prompts[: w.prompts * args.steps * 2], args.steps, device, items, prof, args.trace if prof else None)  # noqa: E731
             h = run(args.set, args.profile)
             extra = {name: run(args.set + items) for name, items in variants}
             trl = {"skipped": missing} if missing else run_half("trl", w, model_dir, prompts[: w.prompts * args.trl_steps * 2], args.trl_steps, device)

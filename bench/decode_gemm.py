@@ -1,0 +1,93 @@
+"""The decode step's matrix products at their real shapes: cuBLAS against inductor's autotuned kernels.
+
+    python bench/decode_gemm.py [--size 0.5B] [--rows 256]
+
+One decode step of the native engine multiplies `rows` activations by each layer's fused q|k|v,
+o_proj, fused gate|up and down_proj weights, then by the lm_head. Each shape is timed as in the
+engine: one CUDA graph replaying the product over every layer's own weight (so the weights stream
+from HBM, not L2), best of a few replays; the table gives microseconds per product and the fraction
+of the HBM bandwidth its weight bytes would need (the memory floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # (hidden, intermediate, heads, kv heads, head dim, layers, vocab)
+    "0.5B": (896, 4864, 14, 2, 64, 24, 151936),
+    "1.5B": (1536, 8960, 12, 2, 128, 28, 151936),
+}
+HBM_BYTES_PER_S = 4.8e12
+
+
+def time_graph(fn, reps: int = 20) -> float:
+    """Milliseconds per replay of a CUDA graph of `fn`, best of `reps` (after warm-up)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b))
+    return best
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=list(SHAPES), default="0.5B")
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--no-autotune", action="store_true", help="cuBLAS only")
+    args = ap.parse_args(argv)
+    H, I, nh, nkv, hd, L, V = SHAPES[args.size]
+    M = args.rows
+    shapes = {"qkv": ((nh + 2 * nkv) * hd, H, L), "o_proj": (H, nh * hd, L), "gate_up": (2 * I, H, L), "down": (H, I, L), "lm_head": (V, H, 1)}
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    tuned = None
+    if not args.no_autotune:
+        tuned = torch.compile(lambda x, w: F.linear(x, w), mode="max-autotune-no-cudagraphs", dynamic=False)
+    print(f"[{args.size}] rows {M}: microseconds per product (each layer's own weight, in one CUDA graph)")
+    print("| product | N x K | cuBLAS us | autotuned us | memory floor us |")
+    print("| --- | --- | --- | --- | --- |")
+    total = [0.0, 0.0, 0.0]
+    for name, (N, K, copies) in shapes.items():
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        out = [None]
+
+        def run(f):
+            def fn():
+                for w in ws:
+                    out[0] = f(x, w)
+            return fn
+
+        cublas = time_graph(run(F.linear)) * 1e3 / copies
+        auto = None
+        if tuned is not None:
+            for w in ws[:1]:
+                tuned(x, w)  # autotune once per shape
+            auto = time_graph(run(tuned)) * 1e3 / copies
+        floor = N * K * 2 / HBM_BYTES_PER_S * 1e6
+        total[0] += cublas * copies
+        total[1] += (auto if auto is not None else cublas) * copies
+        total[2] += floor * copies
+        print(f"| {name} | {N} x {K} | {cublas:.2f} | {'-' if auto is None else f'{auto:.2f}'} | {floor:.2f} |")
+        del ws
+    print(f"| per decode step | | {total[0]:.1f} | {total[1]:.1f} | {total[2]:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Where the GPU time of a profiled step went, phase by phase, from a torch.profiler Chrome trace.
+
+    python bench/compare_trl.py --skip-trl --profile 3 --trace step3.json.gz
+    python bench/trace_summary.py step3.json.gz [--top 15]
+
+A kernel belongs to the phase (`phase/*` ranges of the step loop) whose CPU range launched it; for
+each phase this prints its wall time, the time the GPU was busy with its kernels (the union of their
+intervals, so overlapping streams count once), the idle rest, and the kernels that took the most time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import re
+from collections import defaultdict
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def load(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def short_name(name: str) -> str:
+    """Kernel names without template arguments, argument lists or launch-specific suffixes."""
+    name = re.sub(r"<.*", "", name)
+    name = re.sub(r"\(.*", "", name)
+    return name[:90]
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def summarise(events: list[dict], top: int = 15) -> dict:
+    phases = sorted(
+        ((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+         if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name", "").startswith("phase/")),
+    )  # fmt: skip
+    launch_ts = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            launch_ts[e["args"]["correlation"]] = e["ts"]
+    # Phases nest (phase/step holds the others): attribute a launch to the innermost range holding it.
+    starts = [p[0] for p in phases]
+
+    def phase_of(ts: float) -> str:
+        best = None
+        for i in range(bisect.bisect_right(starts, ts) - 1, -1, -1):
+            a, b, name = phases[i]
+            if a <= ts <= b and (best is None or b - a < best[1] - best[0]):
+                best = phases[i]
+        return best[2] if best else "(outside phases)"
+
+    kernels = defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in GPU_CATS:
+            continue
+        ts = launch_ts.get(e.get("args", {}).get("correlation"))
+        kernels[phase_of(ts) if ts is not None else "(unattributed)"].append(e)
+    wall = defaultdict(float)
+    for a, b, name in phases:
+        wall[name] += b - a
+    out = {}
+    for name in sorted(set(wall) | set(kernels)):
+        ks = kernels.get(name, [])
+        by_kernel = defaultdict(lambda: [0.0, 0])
+        for e in ks:
+            s = by_kernel[short_name(e["name"])]
+            s[0] += e["dur"]
+            s[1] += 1
+        busy = union_length([(e["ts"], e["ts"] + e["dur"]) for e in ks])
+        out[name] = {
+            "wall_ms": wall.get(name, 0.0) / 1e3,
+            "busy_ms": busy / 1e3,
+            "kernel_ms": sum(e["dur"] for e in ks) / 1e3,
+            "launches": len(ks),
+            "top": sorted(((k, v[0] / 1e3, v[1]) for k, v in by_kernel.items()), key=lambda x: -x[1])[:top],
+        }
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args(argv)
+    result = summarise(load(args.trace), args.top)
+    for name, r in result.items():
+        print(f"\n== {name}: wall {r['wall_ms']:.1f} ms, GPU busy {r['busy_ms']:.1f} ms (kernels {r['kernel_ms']:.1f} ms, "
+              f"{r['launches']} launches)")  # fmt: skip
+        for k, ms, n in r["top"]:
+            print(f"   {ms:9.2f} ms  {n:6d}x  {k}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
