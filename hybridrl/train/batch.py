@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Sequence
 
+import numpy as np
 import torch
 
 
@@ -25,6 +26,10 @@ class SequenceBatch:
     # True: forward passes lay the rows end to end in one packed row (packing.py), each prompt once
     # for all its responses, instead of this padded layout. `select` keeps the flag.
     packed: bool = False
+    # CPU copies of (input_ids, attention_mask, response_mask): micro-batch planning and packing read
+    # lengths and tokens on the host, and reading them from device tensors would stall the GPU queue
+    # once per micro-batch. Made once (`host_view`), then carried by `select` and `to`.
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     @property
     def size(self) -> int:
@@ -48,29 +53,42 @@ class SequenceBatch:
     def __contains__(self, key: str) -> bool:
         return key in self.tensors
 
+    def host_view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, attention_mask, response_mask) on the CPU; one device sync the first time."""
+        if self.host is None:
+            self.host = tuple(t if t.device.type == "cpu" else t.cpu() for t in (self.input_ids, self.attention_mask, self.response_mask))
+        return self.host
+
     def select(self, index: Sequence[int] | torch.Tensor) -> "SequenceBatch":
         """The rows in `index`, trimmed to their own widest prompt and response (less padding)."""
-        idx = torch.as_tensor(index, dtype=torch.long)
-        mask = self.attention_mask[idx]
-        resp = self.response_mask[idx]
+        idx = torch.as_tensor(index, dtype=torch.long).cpu()
+        ids_h, mask_h, resp_h = (t[idx] for t in self.host_view())
         P, T = self.prompt_width, self.response_mask.shape[1]
-        left = int((mask[:, :P].sum(0) == 0).sum().item()) if P else 0  # all-padding prompt columns
-        resp_len = int(resp.sum(1).max().item()) if idx.numel() else 0
+        left = int((mask_h[:, :P].sum(0) == 0).sum()) if P else 0  # all-padding prompt columns
+        resp_len = int(resp_h.sum(1).max()) if idx.numel() else 0
         resp_len = max(resp_len, 1)
         cols = slice(left, P + resp_len)
+        on = idx.to(self.input_ids.device, non_blocking=True)
         return replace(
             self,
-            input_ids=self.input_ids[idx][:, cols],
-            attention_mask=mask[:, cols],
-            position_ids=self.position_ids[idx][:, cols],
-            response_mask=resp[:, :resp_len],
+            input_ids=self.input_ids[on][:, cols],
+            attention_mask=self.attention_mask[on][:, cols],
+            position_ids=self.position_ids[on][:, cols],
+            response_mask=self.response_mask[on][:, :resp_len],
             prompt_width=P - left,
-            tensors={k: (v[idx][:, :resp_len] if v.dim() == 2 and v.shape[1] == T else v[idx]) for k, v in self.tensors.items()},
+            tensors={k: self._rows_of(v, idx, on, resp_len, T) for k, v in self.tensors.items()},
+            host=(ids_h[:, cols], mask_h[:, cols], resp_h[:, :resp_len]),
         )
+
+    @staticmethod
+    def _rows_of(v: torch.Tensor, idx: torch.Tensor, on: torch.Tensor, resp_len: int, T: int) -> torch.Tensor:
+        """Rows `idx` of a per-sequence / per-token tensor, indexed on its own device."""
+        rows = v[on if v.device == on.device else idx.to(v.device)]
+        return rows[:, :resp_len] if v.dim() == 2 and v.shape[1] == T else rows
 
     def to(self, device: torch.device) -> "SequenceBatch":
         kw = {f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
-        return replace(self, tensors={k: v.to(device) for k, v in self.tensors.items()}, **kw)
+        return replace(self, tensors={k: v.to(device) for k, v in self.tensors.items()}, host=self.host_view(), **kw)
 
 
 def build_sequence_batch(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int) -> SequenceBatch:
@@ -78,27 +96,29 @@ def build_sequence_batch(prompt_ids: Sequence[Sequence[int]], response_ids: Sequ
     B = len(prompt_ids)
     P = max(len(p) for p in prompt_ids)
     T = max(1, max(len(r) for r in response_ids))
-    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, P + T), dtype=torch.long)
-    response_mask = torch.zeros((B, T), dtype=torch.float32)
+    # Filled in numpy, row slice by row slice: per-row torch calls cost ~0.1 ms a row at 256 rows.
+    input_ids = np.full((B, P + T), pad_id, dtype=np.int64)
+    attention_mask = np.zeros((B, P + T), dtype=np.int64)
+    response_mask = np.zeros((B, T), dtype=np.float32)
     for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        input_ids[b, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
+        input_ids[b, P - len(p) : P] = p
         attention_mask[b, P - len(p) : P] = 1
-        if r:
-            input_ids[b, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
+        if len(r):
+            input_ids[b, P : P + len(r)] = r
             attention_mask[b, P : P + len(r)] = 1
             response_mask[b, : len(r)] = 1
+    attention_mask = torch.from_numpy(attention_mask)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return SequenceBatch(input_ids, attention_mask, position_ids, response_mask, P)
+    return SequenceBatch(torch.from_numpy(input_ids), attention_mask, position_ids, torch.from_numpy(response_mask), P)
 
 
 def pad_per_token(values: Sequence[Sequence[float]], width: int) -> torch.Tensor:
     """Right-pads ragged per-token floats (e.g. rollout log-probs) into `[B, width]`."""
-    out = torch.zeros((len(values), width), dtype=torch.float32)
+    out = np.zeros((len(values), width), dtype=np.float32)
     for b, v in enumerate(values):
-        if v:
-            out[b, : len(v)] = torch.tensor(v, dtype=torch.float32)
-    return out
+        if len(v):
+            out[b, : len(v)] = v
+    return torch.from_numpy(out)
 
 
 def split_indices(num: int, chunk: int) -> list[list[int]]:

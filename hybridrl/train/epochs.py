@@ -35,7 +35,7 @@ def update_epochs(
         order = torch.randperm(batch.size, generator=gen).tolist() if mini < batch.size else list(range(batch.size))
         for start in range(0, batch.size, mini):
             mini_batch = batch.select(order[start : start + mini])
-            norm = dict(num_tokens=float(mini_batch.response_mask.sum()), num_seqs=float(mini_batch.size),
+            norm = dict(num_tokens=float(mini_batch.host_view()[2].sum()), num_seqs=float(mini_batch.size),
                         max_len=batch.response_mask.shape[1])  # fmt: skip
             micros = [m for _, m in micro_batches(mini_batch, micro_batch_size=train.micro_batch_size,
                                                   max_tokens=train.max_tokens_per_micro_batch)]  # fmt: skip
