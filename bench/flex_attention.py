@@ -3,6 +3,7 @@
     python bench/flex_attention.py                 # 16,384-token micro-batch, W0.5B heads
     python bench/flex_attention.py --tokens 32768
     python bench/flex_attention.py --backward      # backward tiles, forward tiles fixed
+    python bench/flex_attention.py --kernels       # train.packed_attention: flash against flex (our tiles)
 
 The micro-batch is laid out as training lays it out (hybridrl/train/packing.py): per prompt group
 `[prompt 256 | 8 responses x 512]`, each response seeing its prompt and its own earlier tokens,
@@ -80,6 +81,60 @@ def timed(fn, repeats: int, rounds: int = 3) -> float:
     return best
 
 
+def compare_kernels(args, device) -> dict:
+    """flash (varlen segments, keys gathered) against flex (block mask, FLEX_KERNEL_OPTIONS) on the
+    row training builds (packing.pack_sequences), as the attention function calls them."""
+    from hybridrl.train.attention import VarlenSegments, _flash_varlen_attention
+    from hybridrl.train.batch import build_sequence_batch
+    from hybridrl.train.packing import pack_sequences
+
+    groups = max(1, args.tokens // (256 + 8 * 512))
+    g = torch.Generator().manual_seed(0)
+    prompts, responses = [], []
+    for _ in range(groups):
+        prompt = torch.randint(1, 1000, (256,), generator=g).tolist()
+        for _ in range(8):
+            prompts.append(prompt)
+            responses.append(torch.randint(1, 1000, (512,), generator=g).tolist())
+    batch = build_sequence_batch(prompts, responses, pad_id=0)
+    flex_layout = pack_sequences(batch, pad_to_multiple=BLOCK).to(device)
+    flash_layout = pack_sequences(batch).to(device)
+    pairs = groups * (256 * 257 // 2 + 8 * (512 * 256 + 512 * 513 // 2))
+    flops = 4 * pairs * args.head_dim * args.heads
+    torch.manual_seed(0)
+    L = flex_layout.length
+    mk = lambda h: torch.randn(1, L, h, args.head_dim, device=device, dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
+    q0, k0, v0 = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads)
+    grad = torch.randn(1, flash_layout.length, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
+    mask = _block_mask(flex_layout, L, device)
+    compiled = torch.compile(flex_attention)
+    seg = VarlenSegments(flash_layout.cu_seq_q, flash_layout.cu_seq_k, flash_layout.kv_index, flash_layout.max_q, flash_layout.max_k)
+    n = flash_layout.length
+    scale = args.head_dim**-0.5
+
+    def run_flex(q, k, v):
+        out = compiled(q, k, v, block_mask=mask, enable_gqa=True, scale=scale, kernel_options=FLEX_KERNEL_OPTIONS)
+        return out.transpose(1, 2)[:, :n]
+
+    def run_flash(q, k, v):
+        return _flash_varlen_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], seg, scale)
+
+    results, outs = {}, {}
+    for name, fn in (("flex", run_flex), ("flash", run_flash)):
+        q, k, v = (t.detach().clone().requires_grad_() for t in (q0, k0, v0))
+        with torch.no_grad():
+            outs[name] = fn(q, k, v).float()
+        fwd = timed(lambda: fn(q.detach(), k.detach(), v.detach()), args.repeats)
+        both = timed(lambda: fn(q, k, v).backward(grad), args.repeats)
+        results[name] = {"fwd_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3, "fwd_tflops": flops / fwd / 1e12, "fwd_bwd_tflops": 3.5 * flops / both / 1e12}
+        r = results[name]
+        print(f"{name:6s} fwd {r['fwd_ms']:7.3f} ms ({r['fwd_tflops']:5.1f} TFLOP/s)  fwd+bwd {r['fwd_bwd_ms']:7.3f} ms ({r['fwd_bwd_tflops']:5.1f} TFLOP/s)", flush=True)
+    diff = (outs["flash"] - outs["flex"]).abs()
+    print(f"{n} packed tokens ({groups} prompt groups), {pairs:,} attended pairs; max|flash - flex| {diff.max().item():.2e}, mean {diff.mean().item():.2e}; "
+          f"flex / flash: fwd {results['flex']['fwd_ms'] / results['flash']['fwd_ms']:.2f}x, fwd+bwd {results['flex']['fwd_bwd_ms'] / results['flash']['fwd_bwd_ms']:.2f}x")
+    return {"tokens": n, "pairs": pairs, "results": results}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=16384)
@@ -89,9 +144,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--only", nargs="*", default=None, help="candidate names to run")
     ap.add_argument("--backward", action="store_true", help="sweep the backward tiles (BWD_CANDIDATES) instead")
+    ap.add_argument("--kernels", action="store_true", help="compare train.packed_attention's flash and flex kernels")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")
+    if args.kernels:
+        result = compare_kernels(args, device)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return
     lay, pairs = layout(args.tokens, 256, 8, 512, device)
     L = lay.doc_ids.shape[0]
     mask = _block_mask(lay, L, device)

@@ -104,6 +104,42 @@ def test_block_mask_classifies_every_tile_like_the_dense_mask():
     assert torch.equal(block_mask.mask_mod(0, 0, q, kv), dense)
 
 
+def _segment_attention(q, k, v, layout):
+    """What the flash kernel computes from the layout's varlen segments: per segment, its queries
+    over its gathered keys, causal from the bottom right (q `[L, H, D]`, k / v `[L, H, D]`)."""
+    cu_q, cu_k = layout.cu_seq_q.tolist(), layout.cu_seq_k.tolist()
+    keys, values = k[layout.kv_index], v[layout.kv_index]
+    out = torch.empty_like(q)
+    for i in range(len(cu_q) - 1):
+        qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        nq, nk = qs.stop - qs.start, ks.stop - ks.start
+        allowed = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)  # bottom-right causal
+        out[qs] = torch.nn.functional.scaled_dot_product_attention(
+            q[qs].transpose(0, 1), keys[ks].transpose(0, 1), values[ks].transpose(0, 1), attn_mask=allowed
+        ).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("pad", [1, BLOCK])
+def test_varlen_segments_compute_the_packed_mask_attention(pad):
+    """The flash kernel's segments (cu_seq_q, cu_seq_k, kv_index) give each token exactly the keys
+    the packed mask lets it see: same attention output, on CPU, for every token but the padding."""
+    batch = _batch(num_prompts=4, n=3, seed=5, max_response=9)
+    layout = pack_sequences(batch, pad_to_multiple=pad)
+    L = layout.length
+    assert layout.cu_seq_q[-1] == L and layout.cu_seq_k[-1] == layout.kv_index.numel()
+    seg_q = (layout.cu_seq_q[1:] - layout.cu_seq_q[:-1]).tolist()
+    seg_k = (layout.cu_seq_k[1:] - layout.cu_seq_k[:-1]).tolist()
+    assert max(seg_q) <= layout.max_q < 2 * max(seg_q) and max(seg_k) <= layout.max_k < 2 * max(seg_k)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(L, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    dense = packed_attention_mask(layout)[0, 0]
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=dense).transpose(0, 1)
+    got = _segment_attention(q, k, v, layout)
+    real = layout.num_tokens
+    torch.testing.assert_close(got[:real], want[:real])
+
+
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("budget", [8, 20, 37, 1000])
 def test_token_budget_micro_batches_cover_every_token_exactly_once(packed, budget):

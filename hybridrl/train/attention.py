@@ -1,8 +1,17 @@
 """Attention over packed rows (packing.py): each token sees its own prompt and response only.
 
-On CUDA the mask is a FlexAttention `BlockMask`: tiles that lie outside every sequence are skipped
-and the kernel is compiled once. FlexAttention has no backward on CPU, so there the mask is a dense
-`[1, 1, L, L]` boolean handed to SDPA. Padded (unpacked) calls are plain SDPA.
+Two kernels serve packed rows on CUDA (`train.packed_attention`):
+- `flash`: PyTorch's built-in FlashAttention-2 kernel for variable-length segments. The row is cut
+  into segments (each prompt, each response); a response's keys are its prompt's keys gathered in
+  front of its own (a 256-byte-per-token copy at W0.5B shapes), and causality is counted from the
+  bottom right, so response token t sees the whole prompt and its own tokens up to t.
+- `flex`: a FlexAttention `BlockMask` over the row: tiles outside every sequence are skipped.
+`auto` takes flash where it runs (an sm80+ GPU, bf16 / fp16, head dim <= 256), else flex. On an H200
+at W0.5B shapes (bench/flex_attention.py --kernels, 13k packed tokens) flash takes forward + backward
+from 1.149 ms to 0.793 ms (its forward alone is slower: 0.201 ms against 0.164 ms); in a profiled
+training step the attention kernels went from 435 ms to 175 ms (train/NOTES.md). FlexAttention has
+no backward on CPU, so there the mask is a dense `[1, 1, L, L]` boolean handed to SDPA. Padded
+(unpacked) calls are plain SDPA.
 
 The attention implementation of a HF model is looked up by name at every forward, including the
 recomputation of a gradient-checkpointed layer during backward, so packing is enabled by switching
@@ -12,6 +21,7 @@ the model, once, to an implementation registered here that serves both kinds of 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -32,7 +42,63 @@ SUPPORTED_BASES = ("sdpa", "eager", NAME)
 FLEX_KERNEL_OPTIONS = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 
 
+KERNELS = ("auto", "flash", "flex")
+
+
+@dataclass
+class VarlenSegments:
+    """A packed row's segments for the flash kernel (PackedLayout.cu_seq_q ... max_k), passed to the
+    attention function as the `hybridrl_varlen` keyword argument of the model's forward."""
+
+    cu_seq_q: torch.Tensor
+    cu_seq_k: torch.Tensor
+    kv_index: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """FlashAttention-2 over variable-length segments (PyTorch's own kernel), causal from the bottom
+    right. q `[Tq, H, D]`, k / v `[Tk, Hkv, D]` (grouped-query attention when Hkv < H)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float | None):
+        out, lse, rng_a, rng_b, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_a, rng_b)
+        ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu_q, cu_k, rng_a, rng_b = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, True, rng_a, rng_b, scale=ctx.scale
+        )
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _flash_varlen_attention(query, key, value, seg: VarlenSegments, scaling: float | None):
+    """query `[1, H, L, D]`, key / value `[1, Hkv, L, D]` (HF's layout) -> `[1, L, H, D]`."""
+    q = query[0].transpose(0, 1).contiguous()
+    k = key[0].transpose(0, 1).index_select(0, seg.kv_index)
+    v = value[0].transpose(0, 1).index_select(0, seg.kv_index)
+    out = _FlashVarlen.apply(q, k, v, seg.cu_seq_q, seg.cu_seq_k, seg.max_q, seg.max_k, scaling)
+    return out[None]
+
+
+def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `flash` can run here: PyTorch's FlashAttention-2 kernel needs sm80+ and bf16 / fp16."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or head_dim > 256 or head_dim % 8:
+        return False
+    if not torch.backends.cuda.is_flash_attention_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 def _packed_or_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    seg = kwargs.pop("hybridrl_varlen", None)
+    if seg is not None:
+        return _flash_varlen_attention(query, key, value, seg, scaling), None
     if not isinstance(attention_mask, BlockMask):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
@@ -55,15 +121,53 @@ def supports_packing(model: torch.nn.Module) -> bool:
     return getattr(model.config, "_attn_implementation", None) in SUPPORTED_BASES
 
 
-def enable_packed_attention(model: torch.nn.Module) -> None:
-    """Switches an sdpa / eager model to the implementation that also serves packed rows."""
+def enable_packed_attention(model: torch.nn.Module, kernel: str = "auto") -> str:
+    """Switches an sdpa / eager model to the implementation that also serves packed rows, and picks
+    the kernel for them (`train.packed_attention`); returns the kernel packed rows will use."""
     impl = model.config._attn_implementation
     if impl not in SUPPORTED_BASES:
         raise ValueError(
             f"packed training needs a model with sdpa or eager attention, not {impl!r}: "
             "set model.attn_implementation=sdpa, or train.packing=off"
         )
+    if kernel not in KERNELS:
+        raise ValueError(f"train.packed_attention must be one of {KERNELS}, not {kernel!r}")
+    param = next(model.parameters())
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    can_flash = flash_available(param.device, param.dtype, head_dim)
+    if kernel == "flash" and not can_flash and param.device.type == "cuda":
+        raise ValueError(
+            f"train.packed_attention=flash needs PyTorch's FlashAttention kernel (sm80+ GPU, bf16/fp16, head dim <= 256); "
+            f"this model is {param.dtype} with head dim {head_dim} on {torch.cuda.get_device_name(param.device)}: "
+            "set train.packed_attention=flex (or auto)"
+        )
+    chosen = "flash" if kernel == "flash" or (kernel == "auto" and can_flash) else "flex"
     model.config._attn_implementation = NAME
+    # Forward passes reach the packed row through the whole model (critics) or its base (log-probs).
+    model._hybridrl_packed_kernel = chosen
+    getattr(model, model.base_model_prefix, model)._hybridrl_packed_kernel = chosen
+    return chosen
+
+
+def packed_kernel(base_model: torch.nn.Module) -> str:
+    """The kernel `enable_packed_attention` chose for this (base) model; flex when it was not called."""
+    return getattr(base_model, "_hybridrl_packed_kernel", "flex")
+
+
+def packed_forward_inputs(layout: PackedLayout, kernel: str) -> dict:
+    """The attention keyword arguments of a forward pass over a packed row: the varlen segments for
+    `flash` on CUDA (the mask argument is then an empty 4-D placeholder that HF passes through
+    untouched), else `packed_attention_mask(layout)`."""
+    if kernel == "flash" and layout.input_ids.device.type == "cuda":
+        seg = VarlenSegments(layout.cu_seq_q, layout.cu_seq_k, layout.kv_index, layout.max_q, layout.max_k)
+        return {"attention_mask": _placeholder_mask(layout.input_ids.device), "hybridrl_varlen": seg}
+    return {"attention_mask": packed_attention_mask(layout)}
+
+
+@functools.cache
+def _placeholder_mask(device: torch.device) -> torch.Tensor:
+    return torch.zeros((1, 1, 0, 0), dtype=torch.bool, device=device)
 
 
 def sequence_mask(doc: torch.Tensor, branch: torch.Tensor, q_index: torch.Tensor, kv_index: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridrl.train.attention import BLOCK, packed_attention_mask
+from hybridrl.train.attention import BLOCK, packed_forward_inputs, packed_kernel
 from hybridrl.train.batch import SequenceBatch
 from hybridrl.train.lm_head import token_logprobs
 from hybridrl.train.packing import pack_sequences
@@ -21,8 +21,10 @@ def _run(model: torch.nn.Module, batch: SequenceBatch) -> tuple[torch.Tensor, to
     the tokens `[N]`, their flat places `[N]` in `[B, T]`)."""
     if batch.packed:
         on_cuda = batch.input_ids.device.type == "cuda"
-        layout = pack_sequences(batch, pad_to_multiple=BLOCK if on_cuda else 1)
-        out = model(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=packed_attention_mask(layout), use_cache=False)
+        kernel = packed_kernel(model)
+        # FlexAttention's BlockMask covers whole tiles: the row is padded to a multiple of one.
+        layout = pack_sequences(batch, pad_to_multiple=BLOCK if on_cuda and kernel == "flex" else 1)
+        out = model(input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False, **packed_forward_inputs(layout, kernel))
         return out, layout.logit_index, layout.labels, layout.target_index
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False)
     rows, cols = batch.response_mask.nonzero(as_tuple=True)

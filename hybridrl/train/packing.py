@@ -45,6 +45,16 @@ class PackedLayout:
     labels: torch.Tensor  # [N] the response tokens
     target_index: torch.Tensor  # [N] b * T + t: each response token's place in the batch's [B, T]
     num_tokens: int  # real tokens (the row is padded at the end to a multiple of the attention block)
+    # The same row as variable-length segments for a flash kernel (attention.py): segment i's queries
+    # are row[cu_seq_q[i]:cu_seq_q[i+1]] (a prompt, a response, or the padding), its keys the row
+    # positions kv_index[cu_seq_k[i]:cu_seq_k[i+1]] (for a response: its prompt, then itself), causal
+    # from the bottom right. max_q / max_k: the longest of each, rounded up to a power of two so that
+    # compiled layers see few distinct values.
+    cu_seq_q: torch.Tensor  # [S+1] int32
+    cu_seq_k: torch.Tensor  # [S+1] int32
+    kv_index: torch.Tensor  # [K] int64
+    max_q: int
+    max_k: int
 
     @property
     def length(self) -> int:
@@ -52,7 +62,8 @@ class PackedLayout:
 
     def to(self, device: torch.device) -> "PackedLayout":
         return replace(self, **{k: getattr(self, k).to(device, non_blocking=True) for k in
-                                ("input_ids", "position_ids", "doc_ids", "branch_ids", "logit_index", "labels", "target_index")})  # fmt: skip
+                                ("input_ids", "position_ids", "doc_ids", "branch_ids", "logit_index", "labels", "target_index",
+                                 "cu_seq_q", "cu_seq_k", "kv_index")})  # fmt: skip
 
 
 @dataclass
@@ -66,10 +77,10 @@ class _Rows:
 
 def _rows(batch: SequenceBatch) -> _Rows:
     P = batch.prompt_width
-    mask = batch.attention_mask[:, :P].cpu()
-    prompt_lens = mask.sum(1).tolist()
-    response_lens = batch.response_mask.sum(1).long().cpu().tolist()
-    ids = batch.input_ids[:, :P].cpu().tolist()
+    ids_h, mask_h, resp_h = batch.host_view()  # no device sync (batch.py)
+    prompt_lens = mask_h[:, :P].sum(1).tolist()
+    response_lens = resp_h.sum(1).long().tolist()
+    ids = ids_h[:, :P].tolist()
     groups: dict[tuple[int, ...], list[int]] = {}
     for b, (row, n) in enumerate(zip(ids, prompt_lens)):
         groups.setdefault(tuple(row[P - n :]), []).append(b)
@@ -80,8 +91,9 @@ def pack_sequences(batch: SequenceBatch, *, pad_to_multiple: int = 1) -> PackedL
     """The batch's sequences as one packed row (on the batch's device)."""
     rows = _rows(batch)
     P, T = batch.prompt_width, batch.response_mask.shape[1]
-    ids_cpu = batch.input_ids.cpu()
+    ids_cpu = batch.host_view()[0]
     pieces, positions, docs, branches, logit_index, labels, target = [], [], [], [], [], [], []
+    seg_q, seg_k, kv_pieces = [0], [0], []  # varlen segments (PackedLayout.cu_seq_q / cu_seq_k / kv_index)
     cursor = 0
     for g, group in enumerate(rows.groups):
         n_prompt = rows.prompt_lens[group[0]]
@@ -89,6 +101,10 @@ def pack_sequences(batch: SequenceBatch, *, pad_to_multiple: int = 1) -> PackedL
         positions.append(torch.arange(n_prompt))
         docs.append(torch.full((n_prompt,), g))
         branches.append(torch.zeros(n_prompt, dtype=torch.long))
+        prompt_keys = torch.arange(cursor, cursor + n_prompt)
+        kv_pieces.append(prompt_keys)
+        seg_q.append(seg_q[-1] + n_prompt)
+        seg_k.append(seg_k[-1] + n_prompt)
         prompt_last = cursor + n_prompt - 1
         cursor += n_prompt
         for k, b in enumerate(group, start=1):
@@ -104,6 +120,9 @@ def pack_sequences(batch: SequenceBatch, *, pad_to_multiple: int = 1) -> PackedL
             logit_index.append(torch.cat([torch.tensor([prompt_last]), torch.arange(cursor, cursor + n - 1)]))
             labels.append(tokens)
             target.append(torch.arange(b * T, b * T + n))
+            kv_pieces += [prompt_keys, torch.arange(cursor, cursor + n)]
+            seg_q.append(seg_q[-1] + n)
+            seg_k.append(seg_k[-1] + n_prompt + n)
             cursor += n
     num_tokens = cursor
     pad = -num_tokens % pad_to_multiple
@@ -112,7 +131,11 @@ def pack_sequences(batch: SequenceBatch, *, pad_to_multiple: int = 1) -> PackedL
         positions.append(torch.zeros(pad, dtype=torch.long))
         docs.append(torch.full((pad,), -1))
         branches.append(torch.zeros(pad, dtype=torch.long))
+        kv_pieces.append(torch.arange(cursor, cursor + pad))  # the padding attends to itself only
+        seg_q.append(seg_q[-1] + pad)
+        seg_k.append(seg_k[-1] + pad)
     empty = torch.zeros(0, dtype=torch.long)
+    cu_q, cu_k = torch.tensor(seg_q, dtype=torch.int32), torch.tensor(seg_k, dtype=torch.int32)
     layout = PackedLayout(
         input_ids=torch.cat(pieces)[None],
         position_ids=torch.cat(positions)[None],
@@ -122,8 +145,17 @@ def pack_sequences(batch: SequenceBatch, *, pad_to_multiple: int = 1) -> PackedL
         labels=torch.cat(labels) if labels else empty,
         target_index=torch.cat(target) if target else empty,
         num_tokens=num_tokens,
+        cu_seq_q=cu_q,
+        cu_seq_k=cu_k,
+        kv_index=torch.cat(kv_pieces) if kv_pieces else empty,
+        max_q=_bucket(int((cu_q[1:] - cu_q[:-1]).max()) if len(seg_q) > 1 else 1),
+        max_k=_bucket(int((cu_k[1:] - cu_k[:-1]).max()) if len(seg_k) > 1 else 1),
     )
     return layout.to(batch.input_ids.device)
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _group_cost(prompt_len: int, response_lens: list[int]) -> tuple[int, int]:

@@ -31,7 +31,8 @@ def prepare_for_training(model: torch.nn.Module, train: TrainConfig, *, gradient
     on_cuda = next(model.parameters()).device.type == "cuda"
     packed = train.packing == "on" or (train.packing == "auto" and on_cuda and supports_packing(model))
     if packed:
-        enable_packed_attention(model)
+        kernel = enable_packed_attention(model, train.packed_attention)
+        log.info("packed rows: %s attention", kernel if on_cuda else "dense-mask SDPA (CPU)")
     return packed
 
 

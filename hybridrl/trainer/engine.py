@@ -125,7 +125,7 @@ class TrainerEngine:
         if self.spec.needs_critic or critic is not None:
             self.critic = self._load_critic(critic)
             if self.packed:
-                enable_packed_attention(self.critic)
+                enable_packed_attention(self.critic, cfg.train.packed_attention)
             c_opt = build_optimizer(self.critic, lr=cfg.train.critic_lr, weight_decay=cfg.train.weight_decay, betas=cfg.train.adam_betas, eps=cfg.train.adam_eps, master_weights=cfg.train.master_weights)
             self.critic_trainer = ValueTrainer(self.critic, c_opt, self._scheduler(c_opt), cfg.train, cfg.algorithm)
 
