@@ -148,8 +148,13 @@ class RolloutEngine:
         seed: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
         on_finished: Callable[[RolloutSample], None] | None = None,
+        detokenize: bool = True,
     ) -> list[RolloutSample]:
-        """n samples per prompt, ordered prompt by prompt. Greedy when temperature == 0."""
+        """n samples per prompt, ordered prompt by prompt. Greedy when temperature == 0.
+
+        `detokenize=False` leaves the texts (`prompt` where prompts were given as ids, `response`)
+        empty for a later `detokenize(samples)`, e.g. in a thread while the GPU runs the next pass
+        (samples passed to `on_finished` always carry their text)."""
         prompt_ids = self.encode_prompts(prompts)
         limits = [max_tokens] * len(prompt_ids) if isinstance(max_tokens, int) else list(max_tokens)
         if len(limits) != len(prompt_ids):
@@ -159,15 +164,20 @@ class RolloutEngine:
             prompt_ids=prompt_ids, n=n, max_tokens=limits, temperature=temperature, top_p=top_p, top_k=top_k,
             seed=seed, stop_token_ids=stops,
         )
-        texts = [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)]
+        texts = [p if isinstance(p, str) else "" for p in prompts]
 
-        def to_sample(seq: GeneratedSequence) -> RolloutSample:
+        def prompt_text(i: int) -> str:
+            if not texts[i]:
+                texts[i] = self.tokenizer.decode(prompt_ids[i])
+            return texts[i]
+
+        def to_sample(seq: GeneratedSequence, response: str | None = None) -> RolloutSample:
             return RolloutSample(
                 prompt_index=seq.prompt_index,
                 sample_index=seq.sample_index,
-                prompt=texts[seq.prompt_index],
+                prompt=prompt_text(seq.prompt_index) if response is None else texts[seq.prompt_index],
                 prompt_ids=prompt_ids[seq.prompt_index],
-                response=self.tokenizer.decode(seq.response_ids, skip_special_tokens=True),
+                response=self.tokenizer.decode(seq.response_ids, skip_special_tokens=True) if response is None else response,
                 response_ids=seq.response_ids,
                 response_logprobs=seq.response_logprobs,
                 finish_reason=seq.finish_reason,
@@ -182,10 +192,26 @@ class RolloutEngine:
         finally:
             self.model.train(was_training)
         middle = time.perf_counter()
-        samples = [to_sample(s) for s in seqs]
+        samples = [to_sample(s, "") for s in seqs]
+        if detokenize:
+            self.detokenize(samples)
         self._add_stats({**self.backend.stats, "generate_s": middle - start,
                          "postprocess_s": time.perf_counter() - middle})  # fmt: skip
         return samples
+
+    def detokenize(self, samples: Sequence[RolloutSample]) -> None:
+        """Fills in the empty texts of samples (generate(detokenize=False)): one batched decode of
+        the responses (fast tokenizers decode outside the GIL) and of the id-given prompts."""
+        todo = [s for s in samples if not s.response and s.response_ids]
+        texts = self.tokenizer.batch_decode([s.response_ids for s in todo], skip_special_tokens=True)
+        for s, text in zip(todo, texts):
+            s.response = text
+        prompts: dict[int, str] = {}
+        for s in samples:
+            if not s.prompt:
+                if id(s.prompt_ids) not in prompts:
+                    prompts[id(s.prompt_ids)] = self.tokenizer.decode(s.prompt_ids)
+                s.prompt = prompts[id(s.prompt_ids)]
 
     def sleep(self) -> None:
         """Frees generation memory (KV cache) so training can use it."""

@@ -277,8 +277,8 @@ class NativeBackend:
             return
         self.stats["host_syncs"] += 1
         state = self.state
-        done = state.done[:rows].cpu()
-        steps = state.steps[:rows].cpu()
+        done = state.done[:rows].tolist()  # plain lists: indexing a CPU tensor per row costs ~us each
+        steps = state.steps[:rows].tolist()
         finished = sorted(s for s in sched.running if done[s])
         if finished:
             idx = torch.tensor(finished, device=self.device)
@@ -286,7 +286,7 @@ class NativeBackend:
             for r, slot in enumerate(finished):
                 seq = sched.finish(slot)
                 remaining.pop(slot, None)
-                length = int(steps[slot])
+                length = steps[slot]
                 response = tokens[r, :length].tolist()
                 out = GeneratedSequence(
                     prompt_index=seq.group.prompt_index,
@@ -300,7 +300,7 @@ class NativeBackend:
                     on_finished(out)
             state.reset_rows(finished)
         for slot, seq in sched.running.items():
-            remaining[slot] = seq.group.max_tokens - int(steps[slot])
+            remaining[slot] = seq.group.max_tokens - steps[slot]
         src, dst = sched.compaction()
         if src:
             state.move_rows(src, dst)
