@@ -28,6 +28,18 @@ def test_greedy_is_deterministic_and_ordered(tiny_model_path):
             assert s.response_ids[-1] == e.tokenizer.eos_token_id
 
 
+def test_texts_decoded_later_equal_texts_decoded_at_once(tiny_model_path):
+    e = engine(tiny_model_path)
+    prompt_ids = e.encode_prompts(PROMPTS)
+    now = e.generate(prompt_ids, n=2, max_tokens=6, temperature=1.0, seed=5)
+    later = e.generate(prompt_ids, n=2, max_tokens=6, temperature=1.0, seed=5, detokenize=False)
+    assert [s.response_ids for s in later] == [s.response_ids for s in now]
+    assert all(s.response == "" and s.prompt == "" for s in later if s.response_ids)
+    e.detokenize(later)
+    assert [(s.prompt, s.response) for s in later] == [(s.prompt, s.response) for s in now]
+    assert any(s.response for s in now) and all(s.prompt for s in now)
+
+
 def test_seeded_sampling_reproducible(tiny_model_path):
     e = engine(tiny_model_path)
     a = e.generate(PROMPTS, n=4, max_tokens=6, temperature=1.0, seed=3)

@@ -1,4 +1,4 @@
-"""The trainer's GPU paths: Triton log-prob kernels, FlexAttention packing, memory, master weights, offload.
+"""The trainer's GPU paths: Triton log-prob kernels, packed attention (flash, flex), memory, master weights, offload.
 
 Skipped without a CUDA GPU; the kernel tests also run on CPU under Triton's interpreter
 (TRITON_INTERPRET=1 with triton installed).
@@ -68,10 +68,10 @@ def _batch(num_prompts=3, n=4):
 
 
 @gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_flex_packed_logprobs_and_gradients_match_padded(dtype):
+@pytest.mark.parametrize("dtype,kernel", [(torch.float32, "flex"), (torch.bfloat16, "flex"), (torch.bfloat16, "flash")])
+def test_packed_logprobs_and_gradients_match_padded(dtype, kernel):
     model = _model(dtype).train()
-    enable_packed_attention(model)
+    assert enable_packed_attention(model, kernel) == kernel
     batch = _batch()
     params = [p for p in model.parameters()]
     lp_pad, ent_pad = response_logprobs(model, batch, with_entropy=True)
@@ -86,6 +86,53 @@ def test_flex_packed_logprobs_and_gradients_match_padded(dtype):
             torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
     else:  # bf16: mean differences, not the worst element
         assert (lp_pack - lp_pad).abs().sum() / batch.response_mask.sum() < 2e-2
+
+
+@gpu
+def test_auto_picks_flash_for_bf16_and_flex_for_fp32():
+    assert enable_packed_attention(_model(torch.bfloat16)) == "flash"
+    assert enable_packed_attention(_model(torch.float32)) == "flex"
+    with pytest.raises(ValueError, match="packed_attention=flex"):
+        enable_packed_attention(_model(torch.float32), "flash")
+
+
+@gpu
+def test_flash_is_as_close_to_exact_as_flex_eager_and_compiled():
+    """bf16 packed log-probs and gradients with flash are as close to the fp32 model's as flex's are,
+    eager and in compiled decoder layers (train.compile), over micro-batches of changing shapes."""
+    from hybridrl.train.setup import compile_layers
+
+    shapes = ((3, 4), (2, 3), (4, 2))  # three packed shapes: the compiled layers must follow them
+    batches = [dataclasses.replace(_batch(p, n), packed=True) for p, n in shapes]
+
+    def run(model):
+        outs = []
+        for batch in batches:
+            lp, _ = response_logprobs(model, batch)
+            grads = torch.autograd.grad(lp.sum(), list(model.parameters()))
+            outs.append((lp.float(), torch.cat([g.float().flatten() for g in grads])))
+        return outs
+
+    exact = _model(torch.float32).train()
+    enable_packed_attention(exact, "flex")
+    truth = run(exact)
+    errors = {}
+    for kernel in ("flex", "flash"):
+        for compiled in (False, True):
+            model = _model(torch.bfloat16).train()
+            assert enable_packed_attention(model, kernel) == kernel
+            if compiled:
+                compile_layers(model)
+            errs = []
+            for (lp, g), (lp_t, g_t), batch in zip(run(model), truth, batches):
+                mask = batch.response_mask
+                errs.append((((lp - lp_t).abs() * mask).sum().item() / mask.sum().item(), ((g - g_t).norm() / g_t.norm()).item()))
+            errors[(kernel, compiled)] = errs
+    for compiled in (False, True):
+        for (lp_flash, g_flash), (lp_flex, g_flex) in zip(errors[("flash", compiled)], errors[("flex", compiled)]):
+            assert lp_flex < 5e-2 and g_flex < 5e-2, errors  # flex itself within bf16 rounding of exact
+            assert lp_flash < 1.5 * lp_flex + 1e-3, errors
+            assert g_flash < 1.5 * g_flex + 1e-3, errors
 
 
 @gpu
@@ -137,15 +184,23 @@ def test_reference_offload_moves_weights_to_pinned_host_memory():
     offloaded = OffloadedWeights(model)
     assert all(p.device.type == "cpu" and p.is_pinned() for p in model.parameters())
     assert torch.cuda.memory_allocated() < before
+    batch = _batch(1, 2)
     with weights_on_device(offloaded):
         assert all(p.device.type == "cuda" for p in model.parameters())
-        response_logprobs(model, _batch(1, 2))
+        want = response_logprobs(model, batch)[0]
     assert all(p.device.type == "cpu" for p in model.parameters())
+    # A prefetch (side-stream copy) gives the same weights to the same pass.
+    offloaded.prefetch()
+    with weights_on_device(offloaded):
+        assert all(p.device.type == "cuda" for p in model.parameters())
+        got = response_logprobs(model, batch)[0]
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 @gpu
 def test_fp32_residual_on_both_sides_narrows_the_rollout_trainer_gap():
-    """bf16, 12 layers, packed FlexAttention trainer vs native rollout (W0.5B: 1.0e-2 -> 6.6e-3,
+    """bf16, 12 layers, packed trainer vs native rollout (W0.5B: 1.0e-2 -> 6.6e-3,
     bench/logprob_parity.py). The trainer with an fp32 stream is also closer to the fp32 model."""
     import copy
 

@@ -6,6 +6,7 @@ Each phase is a call with a telling name, timed into the step record.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,17 +25,26 @@ if TYPE_CHECKING:
     from hybridrl.trainer.engine import TrainerEngine
 
 log = logging.getLogger("hybridrl.trainer")
+_DETOKENIZER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridrl-detokenize")
 
 
 def rl_step(t: "TrainerEngine", prompts: list["PromptExample"]) -> dict[str, Any]:
     cfg, timer = t.config, t.timer
     with timer.phase("rollout"):  # with reward.num_workers > 0, finished responses are scored meanwhile
         samples, scorer = generate_responses(t, prompts)
-    with timer.phase("reward_exposed"):  # scoring not hidden behind generation; timing/reward is all of it
-        scores, reward_metrics = score_responses(t, prompts, samples, scorer)
-    batch = make_batch(t, samples, scores).to(t.device)
+    # The batch needs token ids only: the texts are decoded in a thread while the reference pass
+    # runs on the device, and scored after it (nothing before the advantages needs the scores).
+    texts = _DETOKENIZER.submit(t.rollout.detokenize, samples) if scorer is None else None
+    if t.ref_offload is not None:
+        t.ref_offload.prefetch()  # the reference's weights travel while the batch is built
+    batch = make_batch(t, samples).to(t.device)
     with timer.phase("ref"):
         ref_work = compute_reference_logprobs(t, batch)
+    with timer.phase("reward_exposed"):  # scoring not hidden behind generation or the reference pass
+        if texts is not None:
+            texts.result()
+        scores, reward_metrics = score_responses(t, prompts, samples, scorer)
+    batch["scores"] = scores.to(batch.input_ids.device)
     with timer.phase("old_logprobs"):
         diff_metrics = compute_old_logprobs(t, batch)
     with timer.phase("values"):
@@ -78,6 +88,7 @@ def generate_responses(t: "TrainerEngine", prompts: list["PromptExample"]):
         return t.rollout.generate(
             [p.prompt_ids for p in part], n=r.n, max_tokens=r.max_tokens, temperature=r.temperature,
             top_p=r.top_p, top_k=r.top_k, seed=seed, on_finished=on_finished,
+            detokenize=on_finished is not None,  # else rl_step decodes the texts during the reference pass
         )
 
     # Out of memory, the prompts are generated in twice as many parts; one part is one call.
@@ -108,11 +119,11 @@ def score_responses(t: "TrainerEngine", prompts: list["PromptExample"], samples,
     return scores, dict(result.metrics)
 
 
-def make_batch(t: "TrainerEngine", samples, scores: torch.Tensor) -> SequenceBatch:
+def make_batch(t: "TrainerEngine", samples) -> SequenceBatch:
+    """The responses as a `SequenceBatch` (token ids, rollout log-probs, groups); scores come later."""
     batch = build_sequence_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples], t.tokenizer.pad_token_id)
     T = batch.response_mask.shape[1]
     batch["rollout_logprobs"] = pad_per_token([s.response_logprobs for s in samples], T)
-    batch["scores"] = scores
     batch["group_ids"] = torch.tensor([s.prompt_index for s in samples], dtype=torch.long)
     batch.packed = t.packed  # forward passes lay the responses of a prompt after one copy of it
     return batch
