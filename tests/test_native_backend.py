@@ -274,6 +274,9 @@ def test_native_options_reach_only_the_native_backend():
     assert native.backend.decoder.fp32_residual and native.backend.kv_cache_fraction == 0.5
     hf = RolloutEngine(model, None, backend="hf", native_options={"fp32_residual": True})
     assert hf.backend_name == "hf"
+    # Given as a plain keyword, a native option is not silently dropped by the hf backend.
+    with pytest.raises(TypeError, match="native_options"):
+        RolloutEngine(model, None, backend="hf", kv_cache_fraction=0.5)
 
 
 def test_generate_reports_where_its_time_went():

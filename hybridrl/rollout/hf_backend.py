@@ -12,7 +12,12 @@ class HFBackend:
 
     name = "hf"
 
-    def __init__(self, model: torch.nn.Module, tokenizer, *, max_batch_size: int = 256, **_unused):
+    def __init__(self, model: torch.nn.Module, tokenizer, *, max_batch_size: int = 256, **unknown):
+        if unknown:
+            raise TypeError(
+                f"the hf rollout backend takes no {', '.join(sorted(unknown))}: options of the native engine go in "
+                "RolloutEngine(..., native_options={...}), which reaches the native backend only"
+            )
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size  # sequences per generate call (memory bound)
