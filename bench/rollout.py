@@ -62,8 +62,9 @@ def logprob_diff(model, prompts, outs, limit: int) -> tuple[float, float]:
     return d.mean().item(), d.max().item()
 
 
-def run_native(model, request, device, args, tile: int, warps: int, split: int) -> dict:
-    backend = NativeBackend(model, max_num_seqs=max(args.max_num_seqs, len(request.prompt_ids) * request.n))
+def run_native(model, request, device, args, tile: int, warps: int, split: int, cascade: bool = False) -> dict:
+    backend = NativeBackend(model, max_num_seqs=max(args.max_num_seqs, len(request.prompt_ids) * request.n),
+                            shared_prefix_attention=cascade)  # fmt: skip
     if device == "cuda":
         backend.decoder.ops.attention_tile = tile
         backend.decoder.ops.attention_warps = warps
@@ -85,7 +86,7 @@ def run_native(model, request, device, args, tile: int, warps: int, split: int) 
         outs = backend.generate(request)
         sync(device)
         times.append(time.perf_counter() - t0)
-    figures = {"attn_tile": tile, "attn_warps": warps, "attn_split": split, "cold_s": cold_s, "time_s": min(times), "times_s": times}
+    figures = {"attn_tile": tile, "attn_warps": warps, "attn_split": split, "shared_prefix": cascade, "cold_s": cold_s, "time_s": min(times), "times_s": times}
     figures["tokens"] = sum(len(o.response_ids) for o in outs)
     figures["tokens_per_s"] = figures["tokens"] / figures["time_s"]
     if device == "cuda":
@@ -167,6 +168,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--attn", default="128:4:0",
                     help="attention settings to try, tile:warps:split_tokens, comma-separated (split 0: none)")
+    ap.add_argument("--shared-prefix", choices=["off", "on", "both"], default="off",
+                    help="cascade attention over each prompt's shared KV blocks (rollout.shared_prefix_attention)")
     ap.add_argument("--sampler-sweep", action="store_true", help="time the sampling kernel's chunk / warp settings")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of eager decode steps")
     ap.add_argument("--logprob-seqs", type=int, default=16)
@@ -185,11 +188,12 @@ def main() -> None:
     request = GenerationRequest(prompts, n=args.n, max_tokens=[args.max_tokens] * args.prompts,
                                 temperature=1.0, seed=0, stop_token_ids=[])  # fmt: skip
     runs = []
-    for setting in args.attn.split(","):
+    cascades = {"off": [False], "on": [True], "both": [False, True]}[args.shared_prefix]
+    for setting, cascade in ((a, c) for a in args.attn.split(",") for c in cascades):
         tile, warps, split = map(int, setting.split(":"))
-        runs.append(run_native(model, request, device, args, tile, warps, split))
+        runs.append(run_native(model, request, device, args, tile, warps, split, cascade))
         r = runs[-1]
-        print(f"[{size}] native attention tile={tile} warps={warps} split={split}: "
+        print(f"[{size}] native attention tile={tile} warps={warps} split={split} shared_prefix={'on' if cascade else 'off'}: "
               f"{r['tokens_per_s']:,.0f} tokens/s (runs {['%.3f' % t for t in r['times_s']]} s), "
               f"logprob diff mean {r['logprob_diff_mean']:.4e}")
     native = max(runs, key=lambda r: r["tokens_per_s"])

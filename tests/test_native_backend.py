@@ -290,3 +290,30 @@ def test_generate_reports_where_its_time_went():
     assert set(stats) == {"prepare_s", "prefill_s", "decode_s", "capture_s", "host_syncs"}
     assert stats["prefill_s"] > 0 and stats["decode_s"] > 0 and stats["host_syncs"] >= 2
     assert stats["capture_s"] == 0.0  # no CUDA graphs on CPU
+
+
+def test_shared_prefix_tables_group_rows_by_their_shared_prompt_blocks():
+    """Cascade attention's tables (shared_prefix.py): a group entry per prompt with >= 2 running rows
+    and >= 1 full shared block; every other row attends to its whole context alone (prefix 0)."""
+    from hybridrl.rollout.native.scheduler import PromptGroup, RunningSequence
+    from hybridrl.rollout.native.shared_prefix import SharedPrefix
+
+    a = PromptGroup(0, [1] * 40, 8, 3, shared_blocks=[5, 6])  # 2 full blocks of 16 shared
+    b = PromptGroup(1, [1] * 20, 8, 3, shared_blocks=[7])  # only one of its rows still runs
+    c = PromptGroup(2, [1] * 9, 8, 3, shared_blocks=[])  # shorter than a block: nothing to share
+    running = {0: RunningSequence(a, 0, 0), 4: RunningSequence(a, 2, 4), 2: RunningSequence(a, 1, 2),
+               1: RunningSequence(b, 0, 1), 3: RunningSequence(c, 0, 3), 5: RunningSequence(c, 1, 5)}  # fmt: skip
+    prefix = SharedPrefix(8, 3, num_heads=4, head_dim=16, device=torch.device("cpu"))
+    assert prefix.members == 4
+    assert prefix.update(running, block_size=16) == 1
+    assert prefix.row_prefix.tolist() == [32, 0, 32, 0, 32, 0, 0, 0]
+    assert prefix.group_rows[0].tolist() == [0, 2, 4, -1]
+    assert prefix.group_prefix.tolist() == [32, 0, 0, 0]
+    assert (prefix.group_rows[1:] == -1).all()
+    # Rows finish and move: the tables follow.
+    del running[4]
+    running[1] = RunningSequence(a, 2, 1)
+    assert prefix.update(running, block_size=16) == 1
+    assert prefix.row_prefix.tolist() == [32, 32, 32, 0, 0, 0, 0, 0]
+    assert prefix.group_rows[0].tolist() == [0, 1, 2, -1]
+    assert prefix.fits(8, 4, 4, 16) and not prefix.fits(8, 5, 4, 16)

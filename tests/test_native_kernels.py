@@ -83,6 +83,44 @@ def test_paged_decode_attention(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tile", [16, 64])
+def test_shared_prefix_attention_equals_per_row_attention(dtype, tile):
+    """Cascade attention (rows of a group read their shared prompt blocks together, then their own)
+    gives each row what attending to its whole context alone gives."""
+    from hybridrl.rollout.native.scheduler import PromptGroup, RunningSequence
+    from hybridrl.rollout.native.shared_prefix import SharedPrefix
+
+    g = torch.Generator().manual_seed(3)
+    batch, hq, hkv, d, bs, nb, mb = 8, 14, 2, 64, 16, 48, 6
+    q = torch.randn(batch, hq, d, generator=g).to(DEVICE, dtype)
+    kc = torch.randn(nb, hkv, bs, d, generator=g).to(DEVICE, dtype)
+    vc = torch.randn(nb, hkv, bs, d, generator=g).to(DEVICE, dtype)
+    # Rows 0, 2, 3, 5 share blocks 1-3 (48 tokens), rows 1 and 4 share block 4; row 6 is alone;
+    # row 7 is inactive (not running). Every row's own blocks follow its shared ones.
+    groups = {0: (PromptGroup(0, [1] * 50, 8, 4, shared_blocks=[1, 2, 3]), [0, 2, 3, 5]),
+              1: (PromptGroup(1, [1] * 20, 8, 2, shared_blocks=[4]), [1, 4]),
+              2: (PromptGroup(2, [1] * 5, 8, 1, shared_blocks=[]), [6])}  # fmt: skip
+    free = iter(range(5, nb))
+    table = torch.zeros(batch, mb, dtype=torch.int32)
+    running = {}
+    for group, rows in groups.values():
+        for j, row in enumerate(rows):
+            blocks = group.shared_blocks + [next(free) for _ in range(mb - len(group.shared_blocks))]
+            table[row] = torch.tensor(blocks, dtype=torch.int32)
+            running[row] = RunningSequence(group, j, row)
+    bt = table.to(DEVICE)
+    ctx = torch.tensor([49, 17, 60, 95, 30, 48 + 1, 20, 1], device=DEVICE)
+    prefix = SharedPrefix(batch, 4, hq, d, torch.device(DEVICE))
+    assert prefix.update(running, bs) == 2
+    assert prefix.row_prefix.tolist() == [48, 16, 48, 48, 16, 48, 0, 0]
+    ref = TorchOps().decode_attention(q, kc, vc, bt, ctx, d**-0.5)
+    plain = triton_attention.paged_decode_attention(q, kc, vc, bt, ctx, d**-0.5, tile=tile)
+    cascade = triton_attention.paged_decode_attention(q, kc, vc, bt, ctx, d**-0.5, tile=tile, prefix=prefix)
+    torch.testing.assert_close(cascade, ref, **_tol(dtype))
+    torch.testing.assert_close(cascade, plain, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_on_fused_halves(dtype):
     gate_up = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
     gate, up = gate_up.split([1500, 1500], -1)
@@ -100,3 +138,30 @@ def test_sampling_matches_reference(temperature):
     tok, lp = triton_sampling.sample(logits, keys, steps, params)
     assert torch.equal(tok, ref_tok)
     torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=1e-4)
+
+
+def test_engine_with_shared_prefix_attention_generates_the_same():
+    """The whole engine with the Triton kernels, cascade attention on and off: the same samples
+    (same tokens, log-probs within fp32 rounding) for prompts that share one and two full blocks."""
+    import transformers
+
+    from hybridrl.rollout.native import NativeBackend
+    from hybridrl.rollout.native.ops_triton import TritonOps
+    from hybridrl.rollout.types import GenerationRequest
+
+    config = transformers.Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).eval().to(DEVICE)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (20, 37, 9)]
+    request = GenerationRequest(prompts, n=3, max_tokens=[12] * 3, temperature=1.0, seed=0, stop_token_ids=[])
+    outs = {}
+    for cascade in (False, True):
+        backend = NativeBackend(model, shared_prefix_attention=cascade)
+        backend.decoder.ops = TritonOps()  # on CPU: Triton's interpreter
+        outs[cascade] = backend.generate(request)
+        assert (backend.decoder.prefix is not None) == cascade
+    assert [o.response_ids for o in outs[True]] == [o.response_ids for o in outs[False]]
+    for a, b in zip(outs[True], outs[False]):
+        torch.testing.assert_close(torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs), atol=1e-4, rtol=0)

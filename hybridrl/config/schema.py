@@ -49,6 +49,9 @@ class RolloutConfig:
     top_k: int = 0  # keep only the k most likely tokens; 0 disables it
     kv_cache_fraction: float = 0.3  # native engine: fraction of free GPU memory for the KV cache
     fp32_residual: bool = True  # native engine: carry the residual stream in fp32 (rollout log-probs closer to exact, hence to the trainer's)
+    # native engine on CUDA: cascade attention, the n samples of a prompt read its shared KV blocks once per
+    # decode step instead of n times (off until its speed is measured on a GPU; the results are the same)
+    shared_prefix_attention: bool = False
     eval_temperature: float = 0.0  # temperature for evaluation (0: greedy accuracy)
 
 

@@ -24,6 +24,7 @@ from .model import NativeDecoder
 from .ops_torch import TorchOps
 from .sampling import SamplingParams, row_keys_from_seeds
 from .scheduler import PromptGroup, Scheduler, blocks_for
+from .shared_prefix import SharedPrefix
 from .state import DecodeState
 
 MAX_STOP_IDS = 32
@@ -48,6 +49,9 @@ class NativeBackend:
         num_kv_blocks: int | None = None,  # fixed cache size (overrides kv_cache_fraction)
         fuse_weights: bool | None = None,  # q|k|v, gate|up as one tensor each, shared in place (fused.py); default: on GPU
         fp32_residual: bool = True,  # carry the residual stream in fp32 (model.NativeDecoder)
+        # Cascade attention: the n samples of a prompt read its shared KV blocks once per decode step
+        # (shared_prefix.py); CUDA only (the Triton kernels). Off until measured on a GPU.
+        shared_prefix_attention: bool = False,
     ):
         if not 0.0 < kv_cache_fraction < 1.0:
             raise ValueError(f"kv_cache_fraction ({kv_cache_fraction}) must be in (0, 1)")
@@ -74,6 +78,7 @@ class NativeBackend:
             # q/k/v and gate/up parameters become row slices of one tensor each: the decode step
             # reads them fused with no copy (fused.py). Optimizers must be built after this.
             fuse_parameters(model.model.layers)
+        self.shared_prefix_attention = shared_prefix_attention
         self.cache: PagedKVCache | None = None
         self.state: DecodeState | None = None
         self.stats: dict[str, float] = {}  # where the last generate() spent its time (generate's docstring)
@@ -95,7 +100,7 @@ class NativeBackend:
         """Frees the KV cache, decode buffers, fused weight copies, graphs and rope tables."""
         self.graphs.clear()
         self.cache = self.state = None
-        self.decoder.cos = self.decoder.sin = self.decoder.fused = None
+        self.decoder.cos = self.decoder.sin = self.decoder.fused = self.decoder.prefix = None
         self._graph_key = None
         if self.on_cuda:
             # cuBLAS workspaces live in PyTorch's allocator (one per stream, ours included); the
@@ -219,6 +224,14 @@ class NativeBackend:
             )  # fmt: skip
         self.state.set_stop_ids(list(request.stop_token_ids))
         self.decoder.prepare(max_context)
+        if self.shared_prefix_attention and n > 1 and self.decoder.ops.shared_prefix:
+            s = self.weights.spec
+            prefix = self.decoder.prefix
+            if prefix is None or not prefix.fits(self.max_slots, n, s.num_heads, s.head_dim):
+                self.decoder.prefix = None
+                self.decoder.prefix = SharedPrefix(self.max_slots, n, s.num_heads, s.head_dim, self.device)
+        else:
+            self.decoder.prefix = None
         if self.fuse_weights:
             layers = self.weights.layers()
             if self.decoder.fused is None:
@@ -226,7 +239,7 @@ class NativeBackend:
             else:
                 self.decoder.fused.refresh(layers)  # views stay views; copies take the latest weights
         key = (
-            id(self.cache), id(self.state), id(self.decoder.fused), self.decoder.cos.data_ptr(),
+            id(self.cache), id(self.state), id(self.decoder.fused), id(self.decoder.prefix), self.decoder.cos.data_ptr(),
             tuple(t.data_ptr() for t in self.weights.tensors()),
         )  # fmt: skip
         if key != self._graph_key:
@@ -307,6 +320,8 @@ class NativeBackend:
             state.reset_rows(src)
             for s, d in zip(src, dst):
                 remaining[d] = remaining.pop(s)
+        if self.decoder.prefix is not None:  # rows started, finished or moved: who shares what
+            self.decoder.prefix.update(sched.running, self.block_size)
 
     # ---- CUDA graph hooks ----------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ class NativeDecoder:
         self.cos: torch.Tensor | None = None  # [P, D/2] fp32 rope tables
         self.sin: torch.Tensor | None = None
         self.fused: FusedWeights | None = None  # q|k|v and gate|up copies for decode (fused.py)
+        self.prefix = None  # SharedPrefix tables: cascade attention over shared prompts (shared_prefix.py)
 
     def prepare(self, max_positions: int) -> None:
         """(Re)builds the rope tables when longer contexts are needed than seen so far."""
@@ -99,7 +100,7 @@ class NativeDecoder:
                 cache.k[layer], cache.v[layer], block_tables,
             )  # fmt: skip
             attn = ops.decode_attention(
-                q, cache.k[layer], cache.v[layer], block_tables, context_lens, spec.scaling
+                q, cache.k[layer], cache.v[layer], block_tables, context_lens, spec.scaling, prefix=self.prefix
             )
             x = F.linear(attn, lw.o_w, lw.o_b)
             h, residual = ops.add_rms_norm(x, residual, lw.post_norm, spec.rms_eps)

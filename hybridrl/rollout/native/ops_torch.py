@@ -38,6 +38,8 @@ def write_kv(
 class TorchOps:
     """Decode-step building blocks; every method takes one row per running sequence."""
 
+    shared_prefix = False  # whether decode_attention reads SharedPrefix tables (the Triton kernels do)
+
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +81,7 @@ class TorchOps:
         block_tables: torch.Tensor,  # [B, MB]
         context_lens: torch.Tensor,  # [B]
         scale: float,
+        prefix=None,  # SharedPrefix: only changes how the Triton kernels read shared blocks, not the result
     ) -> torch.Tensor:
         """One query per sequence against its paged context; returns [B, Hq * D]."""
         batch, num_kv_heads, bs, head_dim = q.shape[0], k_cache.shape[1], k_cache.shape[2], q.shape[2]

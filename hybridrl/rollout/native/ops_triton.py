@@ -13,6 +13,8 @@ from .sampling import SamplingParams
 class TritonOps(TorchOps):
     """Same interface as TorchOps; every method is capturable in a CUDA graph."""
 
+    shared_prefix = True
+
     # Defaults measured on one H200 at W0.5B (bench/rollout.py --attn): tile 128, 4 warps, no split.
     def __init__(self, attention_tile: int = 128, attention_warps: int = 4, attention_split: int = 0):
         self.attention_tile = attention_tile  # tokens per inner-loop tile
@@ -27,10 +29,11 @@ class TritonOps(TorchOps):
             q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables
         )
 
-    def decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale):
+    def decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale, prefix=None):
         return triton_attention.paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale,
             tile=self.attention_tile, num_warps=self.attention_warps, split_tokens=self.attention_split,
+            prefix=prefix if self.attention_split == 0 else None,  # flash-decoding splits read the whole context
         )  # fmt: skip
 
     def silu_mul(self, gate, up):

@@ -3,6 +3,8 @@
 One program per (sequence, KV head) serves the whole group of query heads that share the KV head
 (GQA), so each K/V tile is read once per group; the tile gathers TILE tokens through the block
 table and runs an online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022).
+With a `SharedPrefix` (cascade attention), the n samples of a prompt read their shared prompt
+blocks once per group in _shared_prefix_kernel, and each row then continues over its own tokens.
 """
 
 from __future__ import annotations
@@ -49,10 +51,10 @@ def _attend_tile(
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, ctx_ptr, out_ptr, scale_log2,
+    q_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, ctx_ptr, out_ptr, scale_log2, pre_ptr, pacc_ptr, pml_ptr,
     MAX_CTX: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, HAS_PREFIX: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -63,11 +65,22 @@ def _paged_decode_kernel(
     q_off = (row * HQ + kvh * GROUP + g)[:, None] * D + d[None, :]
     q = tl.load(q_ptr + q_off, mask=g_mask[:, None], other=0.0)  # [GP, D]
 
-    m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_P], tl.float32)
-    acc = tl.zeros([GROUP_P, D], tl.float32)
+    if HAS_PREFIX:
+        # The row's first `pre` tokens were attended by _shared_prefix_kernel: continue its online
+        # softmax from the state it left (log2 units, unnormalised), over the row's own tokens.
+        pre = tl.load(pre_ptr + row).to(tl.int64)
+        has = g_mask & ((g * 0 + pre) > 0)  # a block, not a scalar, for the CPU interpreter
+        head = row * HQ + kvh * GROUP + g
+        m_i = tl.load(pml_ptr + head * 2, mask=has, other=float("-inf"))
+        l_i = tl.load(pml_ptr + head * 2 + 1, mask=has, other=0.0)
+        acc = tl.load(pacc_ptr + head[:, None] * D + d[None, :], mask=has[:, None], other=0.0)
+    else:
+        pre = 0
+        m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_P], tl.float32)
+        acc = tl.zeros([GROUP_P, D], tl.float32)
     if DYNAMIC_LOOP:
-        for start in range(0, ctx, TILE):
+        for start in range(pre, ctx, TILE):
             m_i, l_i, acc = _attend_tile(
                 q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, ctx, start, m_i, l_i, acc, scale_log2,
                 HKV, D, BS, TILE, IEEE,
@@ -77,11 +90,56 @@ def _paged_decode_kernel(
         # width (tiles past the context are fully masked and leave the softmax state unchanged).
         for start in tl.static_range(0, MAX_CTX, TILE):
             m_i, l_i, acc = _attend_tile(
-                q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, ctx, start, m_i, l_i, acc, scale_log2,
+                q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, ctx, pre + start, m_i, l_i, acc, scale_log2,
                 HKV, D, BS, TILE, IEEE,
             )  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+@triton.jit
+def _shared_prefix_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, grows_ptr, gpre_ptr, pacc_ptr, pml_ptr, scale_log2,
+    MAX_PRE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, MEMBERS: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """Cascade attention over a shared prompt (Juravsky et al. 2024, "Hydragen"; FlashInfer's
+    cascade): program (group, KV head) attends the query heads of every member row of the group
+    to the group's shared prefix together, so each prefix K/V tile is read once per group instead
+    of once per row, and leaves each row's unnormalised softmax state for _paged_decode_kernel."""
+    grp = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    pre = tl.load(gpre_ptr + grp)
+    if pre == 0:
+        return
+    i = tl.arange(0, MEMBERS * GROUP_P)
+    member, j = i // GROUP_P, i % GROUP_P
+    rows = tl.load(grows_ptr + grp * MEMBERS + member).to(tl.int64)  # -1: no member in that place
+    valid = (rows >= 0) & (j < GROUP)
+    rows = tl.where(valid, rows, 0)
+    first = tl.load(grows_ptr + grp * MEMBERS).to(tl.int64)  # the shared blocks lead every member's table
+    d = tl.arange(0, D)
+    head = rows * HQ + kvh * GROUP + j
+    q = tl.load(q_ptr + head[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+    m_i = tl.full([MEMBERS * GROUP_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([MEMBERS * GROUP_P], tl.float32)
+    acc = tl.zeros([MEMBERS * GROUP_P, D], tl.float32)
+    if DYNAMIC_LOOP:
+        for start in range(0, pre, TILE):
+            m_i, l_i, acc = _attend_tile(
+                q, k_ptr, v_ptr, bt_ptr, bt_stride, first, kvh, pre, start, m_i, l_i, acc, scale_log2,
+                HKV, D, BS, TILE, IEEE,
+            )  # fmt: skip
+    else:
+        for start in tl.static_range(0, MAX_PRE, TILE):
+            m_i, l_i, acc = _attend_tile(
+                q, k_ptr, v_ptr, bt_ptr, bt_stride, first, kvh, pre, start, m_i, l_i, acc, scale_log2,
+                HKV, D, BS, TILE, IEEE,
+            )  # fmt: skip
+    tl.store(pacc_ptr + head[:, None] * D + d[None, :], acc, mask=valid[:, None])
+    tl.store(pml_ptr + head * 2, m_i, mask=valid)
+    tl.store(pml_ptr + head * 2 + 1, l_i, mask=valid)
 
 
 @triton.jit
@@ -151,6 +209,7 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     split_tokens: int = 0,  # > 0: flash-decoding over splits of this many tokens (a multiple of tile)
+    prefix=None,  # a SharedPrefix (shared_prefix.py): cascade attention over each group's shared prompt
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
@@ -166,9 +225,22 @@ def paged_decode_attention(
     scale_log2 = scale * 1.4426950408889634  # log2(e): the kernels use exp2
     num_splits = triton.cdiv(max_ctx, split_tokens) if split_tokens > 0 else 1
     if num_splits == 1:
+        if prefix is not None:
+            assert q.is_contiguous(), "the shared-prefix state is indexed by row * heads"
+            members = prefix.group_rows.shape[1]
+            group_p = max(triton.next_power_of_2(group), triton.cdiv(16, members))  # >= 16 rows for tl.dot
+            _shared_prefix_kernel[(prefix.group_rows.shape[0], num_kv_heads)](
+                q, k_cache, v_cache, block_tables, block_tables.stride(0), prefix.group_rows, prefix.group_prefix,
+                prefix.acc, prefix.ml, scale_log2, MAX_PRE=0 if dynamic else max_ctx, DYNAMIC_LOOP=dynamic,
+                HQ=num_heads, HKV=num_kv_heads, GROUP=group, GROUP_P=group_p, MEMBERS=members, D=head_dim,
+                BS=block_size, TILE=tile, IEEE=consts["IEEE"], num_warps=num_warps, num_stages=num_stages,
+            )  # fmt: skip
+            extra = dict(pre_ptr=prefix.row_prefix, pacc_ptr=prefix.acc, pml_ptr=prefix.ml, HAS_PREFIX=True)
+        else:
+            extra = dict(pre_ptr=context_lens, pacc_ptr=out, pml_ptr=out, HAS_PREFIX=False)  # unused pointers
         _paged_decode_kernel[(batch, num_kv_heads)](
             q, k_cache, v_cache, block_tables, block_tables.stride(0), context_lens, out, scale_log2,
-            MAX_CTX=0 if dynamic else max_ctx, DYNAMIC_LOOP=dynamic, **consts,
+            MAX_CTX=0 if dynamic else max_ctx, DYNAMIC_LOOP=dynamic, **extra, **consts,
         )  # fmt: skip
         return out
     assert split_tokens % tile == 0, "split_tokens must be a multiple of the tile"
