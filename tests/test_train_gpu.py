@@ -40,6 +40,12 @@ def test_triton_kernels_match_the_torch_reference(dtype, inv_temp, grads):
     ref = logit_stats_torch(logits, labels, inv_temp)
     for got, want in zip((lse, lp, ent), ref):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    # Written into slices of larger buffers (lm_head's chunks), the rest untouched.
+    bufs = [torch.full((rows + 5,), 7.0, device=device) for _ in range(3)]
+    triton_logprobs.logit_stats(logits, labels, inv_temp, out=tuple(b[2 : 2 + rows] for b in bufs))
+    for buf, want in zip(bufs, ref):
+        torch.testing.assert_close(buf[2 : 2 + rows], want, atol=1e-4, rtol=1e-5)
+        assert (buf[:2] == 7).all() and (buf[2 + rows :] == 7).all()
     g_lp = torch.randn(rows, generator=g).to(device) if grads in ("lp", "both") else None
     g_ent = torch.randn(rows, generator=g).to(device) if grads in ("ent", "both") else None
     want = logit_grad_torch(logits, labels, ref[0], ref[2], g_lp, g_ent, inv_temp)

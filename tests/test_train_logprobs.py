@@ -71,7 +71,7 @@ def test_logits_never_exceed_one_chunk_whatever_the_batch(monkeypatch):
     not tokens x vocab. (tests/test_train_gpu.py measures the allocator peak on a GPU.)"""
     seen = []
     stats, grad = lm_head.logit_stats, lm_head.logit_grad
-    monkeypatch.setattr(lm_head, "logit_stats", lambda logits, *a: (seen.append(tuple(logits.shape)), stats(logits, *a))[1])
+    monkeypatch.setattr(lm_head, "logit_stats", lambda logits, *a, **kw: (seen.append(tuple(logits.shape)), stats(logits, *a, **kw))[1])
     monkeypatch.setattr(lm_head, "logit_grad", lambda logits, *a: (seen.append(tuple(logits.shape)), grad(logits, *a))[1])
     V, H, chunk = 300, 8, 64
     weight = torch.randn(V, H, requires_grad=True)

@@ -53,12 +53,18 @@ def _use_triton(logits: torch.Tensor) -> bool:
     return triton_logprobs.available()
 
 
-def logit_stats(logits, labels, inv_temp):
-    if _use_triton(logits):
+def logit_stats(logits, labels, inv_temp, out=None):
+    """(logsumexp, log-prob, entropy) per row; stored into `out` (three vectors) when given."""
+    if _use_triton(logits) and (out is None or out[0].dtype == torch.float32):
         from hybridrl.train import triton_logprobs
 
-        return triton_logprobs.logit_stats(logits, labels, inv_temp)
-    return logit_stats_torch(logits, labels, inv_temp)
+        return triton_logprobs.logit_stats(logits, labels, inv_temp, out=out)
+    stats = logit_stats_torch(logits, labels, inv_temp)
+    if out is None:
+        return stats
+    for dst, src in zip(out, stats):
+        dst.copy_(src)
+    return out
 
 
 def logit_grad(logits, labels, lse, entropy, g_lp, g_ent, inv_temp):
@@ -77,7 +83,7 @@ class _LinearLogprobs(torch.autograd.Function):
         lse, lp, entropy = (torch.empty(N, dtype=dtype, device=hidden.device) for _ in range(3))
         for s in range(0, N, chunk):
             logits = F.linear(hidden[s : s + chunk], weight, bias)
-            lse[s : s + chunk], lp[s : s + chunk], entropy[s : s + chunk] = logit_stats(logits, labels[s : s + chunk], inv_temp)
+            logit_stats(logits, labels[s : s + chunk], inv_temp, out=(lse[s : s + chunk], lp[s : s + chunk], entropy[s : s + chunk]))
             del logits
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
         ctx.inv_temp, ctx.chunk = inv_temp, chunk
@@ -104,7 +110,7 @@ class _LinearLogprobs(torch.autograd.Function):
             )  # fmt: skip
             del logits
             if grad_h is not None:
-                grad_h[sl] = grad @ weight
+                torch.mm(grad, weight, out=grad_h[sl])  # straight into the slice: no copy
             if grad_w is not None:
                 grad_w.addmm_(grad.t(), h)
             if grad_b is not None:

@@ -77,10 +77,15 @@ if triton is not None:
             tl.store(base + cols, (grad * inv_temp).to(logits_ptr.dtype.element_ty), mask=valid)
 
 
-def logit_stats(logits: torch.Tensor, labels: torch.Tensor, inv_temp: float):
+def logit_stats(logits: torch.Tensor, labels: torch.Tensor, inv_temp: float, out=None):
+    """(logsumexp, log-prob, entropy) per row, fp32; written into `out` (three contiguous fp32
+    vectors, e.g. slices of the whole batch's) when given, saving a copy per chunk."""
     assert logits.stride(-1) == 1
     rows, V = logits.shape
-    lse, lp, ent = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3))
+    if out is None:
+        out = tuple(torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3))
+    lse, lp, ent = out
+    assert all(t.dtype == torch.float32 and t.is_contiguous() and t.numel() == rows for t in out)
     if rows:
         _stats_kernel[(rows,)](logits, logits.stride(0), labels, lse, lp, ent, inv_temp, V=V, BLOCK=BLOCK_V, num_warps=NUM_WARPS)
     return lse, lp, ent
