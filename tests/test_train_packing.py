@@ -120,6 +120,25 @@ def _segment_attention(q, k, v, layout):
     return out
 
 
+def test_packed_rows_refuse_sequences_longer_than_a_sliding_window():
+    """A sliding window the packed kernels do not apply is an error naming the fix, not wrong
+    log-probs; within the window (or for a model without one) packing runs."""
+    import transformers
+
+    config = transformers.MistralConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, sliding_window=12)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).eval()
+    enable_packed_attention(model)
+    short = dataclasses.replace(build_sequence_batch([[5, 6, 7]] * 2, [[8, 9], [10]], pad_id=0), packed=True)
+    response_logprobs(model, short)
+    long = dataclasses.replace(build_sequence_batch([[5] * 8] * 2, [[8] * 5, [9]], pad_id=0), packed=True)
+    with pytest.raises(ValueError, match="train.packing=off"):
+        response_logprobs(model, long)
+    model.config.sliding_window = None
+    response_logprobs(model, long)
+
+
 @pytest.mark.parametrize("pad", [1, BLOCK])
 def test_varlen_segments_compute_the_packed_mask_attention(pad):
     """The flash kernel's segments (cu_seq_q, cu_seq_k, kv_index) give each token exactly the keys

@@ -150,6 +150,26 @@ def enable_packed_attention(model: torch.nn.Module, kernel: str = "auto") -> str
     return chosen
 
 
+def sliding_window(config) -> int | None:
+    """The attention window a HF config applies to some layer, or None when every layer sees its
+    whole context (Qwen2 declares `layer_types`; Mistral-style configs a bare `sliding_window`)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return window
+
+
+def check_window(config, longest: int) -> None:
+    """Packed rows attend over each whole sequence: refuse sequences longer than a sliding window."""
+    window = sliding_window(config)
+    if window is not None and longest > window:
+        raise ValueError(
+            f"a sequence of {longest} tokens is longer than the model's sliding attention window ({window}), which "
+            "packed training does not apply: set train.packing=off, or keep prompt + response within the window"
+        )
+
+
 def packed_kernel(base_model: torch.nn.Module) -> str:
     """The kernel `enable_packed_attention` chose for this (base) model; flex when it was not called."""
     return getattr(base_model, "_hybridrl_packed_kernel", "flex")

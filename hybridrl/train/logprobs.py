@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridrl.train.attention import BLOCK, packed_forward_inputs, packed_kernel
+from hybridrl.train.attention import BLOCK, check_window, packed_forward_inputs, packed_kernel
 from hybridrl.train.batch import SequenceBatch
 from hybridrl.train.lm_head import token_logprobs
 from hybridrl.train.packing import pack_sequences
@@ -21,6 +21,7 @@ def _run(model: torch.nn.Module, batch: SequenceBatch) -> tuple[torch.Tensor, to
     the tokens `[N]`, their flat places `[N]` in `[B, T]`)."""
     if batch.packed:
         on_cuda = batch.input_ids.device.type == "cuda"
+        check_window(model.config, int(batch.host_view()[1].sum(1).max()) if batch.size else 0)
         kernel = packed_kernel(model)
         # FlexAttention's BlockMask covers whole tiles: the row is padded to a multiple of one.
         layout = pack_sequences(batch, pad_to_multiple=BLOCK if on_cuda and kernel == "flex" else 1)
