@@ -50,6 +50,30 @@ def _attend_tile(
 
 
 @triton.jit
+def _attend_range(
+    q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, lo, hi, m_i, l_i, acc, scale_log2,
+    SPAN: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """The online softmax over tokens [lo, hi) of `row`'s table, TILE at a time. Triton's CPU
+    interpreter cannot loop to a run-time bound: there, it loops over SPAN (>= hi - lo) tokens
+    from lo; tiles past hi are fully masked and leave the softmax state unchanged."""
+    if DYNAMIC_LOOP:
+        for start in range(lo, hi, TILE):
+            m_i, l_i, acc = _attend_tile(
+                q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, hi, start, m_i, l_i, acc, scale_log2,
+                HKV, D, BS, TILE, IEEE,
+            )  # fmt: skip
+    else:
+        for start in tl.static_range(0, SPAN, TILE):
+            m_i, l_i, acc = _attend_tile(
+                q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, hi, lo + start, m_i, l_i, acc, scale_log2,
+                HKV, D, BS, TILE, IEEE,
+            )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, ctx_ptr, out_ptr, scale_log2, pre_ptr, pacc_ptr, pml_ptr,
     MAX_CTX: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
@@ -79,20 +103,10 @@ def _paged_decode_kernel(
         m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, D], tl.float32)
-    if DYNAMIC_LOOP:
-        for start in range(pre, ctx, TILE):
-            m_i, l_i, acc = _attend_tile(
-                q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, ctx, start, m_i, l_i, acc, scale_log2,
-                HKV, D, BS, TILE, IEEE,
-            )  # fmt: skip
-    else:
-        # Triton's CPU interpreter cannot loop to a run-time bound: there, loop over the table's
-        # width (tiles past the context are fully masked and leave the softmax state unchanged).
-        for start in tl.static_range(0, MAX_CTX, TILE):
-            m_i, l_i, acc = _attend_tile(
-                q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, ctx, pre + start, m_i, l_i, acc, scale_log2,
-                HKV, D, BS, TILE, IEEE,
-            )  # fmt: skip
+    m_i, l_i, acc = _attend_range(
+        q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, pre, ctx, m_i, l_i, acc, scale_log2,
+        MAX_CTX, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE,
+    )  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
@@ -125,18 +139,10 @@ def _shared_prefix_kernel(
     m_i = tl.full([MEMBERS * GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([MEMBERS * GROUP_P], tl.float32)
     acc = tl.zeros([MEMBERS * GROUP_P, D], tl.float32)
-    if DYNAMIC_LOOP:
-        for start in range(0, pre, TILE):
-            m_i, l_i, acc = _attend_tile(
-                q, k_ptr, v_ptr, bt_ptr, bt_stride, first, kvh, pre, start, m_i, l_i, acc, scale_log2,
-                HKV, D, BS, TILE, IEEE,
-            )  # fmt: skip
-    else:
-        for start in tl.static_range(0, MAX_PRE, TILE):
-            m_i, l_i, acc = _attend_tile(
-                q, k_ptr, v_ptr, bt_ptr, bt_stride, first, kvh, pre, start, m_i, l_i, acc, scale_log2,
-                HKV, D, BS, TILE, IEEE,
-            )  # fmt: skip
+    m_i, l_i, acc = _attend_range(
+        q, k_ptr, v_ptr, bt_ptr, bt_stride, first, kvh, 0, pre, m_i, l_i, acc, scale_log2,
+        MAX_PRE, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE,
+    )  # fmt: skip
     tl.store(pacc_ptr + head[:, None] * D + d[None, :], acc, mask=valid[:, None])
     tl.store(pml_ptr + head * 2, m_i, mask=valid)
     tl.store(pml_ptr + head * 2 + 1, l_i, mask=valid)
@@ -165,18 +171,10 @@ def _paged_decode_split_kernel(
     m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, D], tl.float32)
-    if DYNAMIC_LOOP:
-        for start in range(lo, hi, TILE):
-            m_i, l_i, acc = _attend_tile(
-                q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, hi, start, m_i, l_i, acc, scale_log2,
-                HKV, D, BS, TILE, IEEE,
-            )  # fmt: skip
-    else:
-        for start in tl.static_range(0, SPLIT, TILE):
-            m_i, l_i, acc = _attend_tile(
-                q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, hi, lo + start, m_i, l_i, acc, scale_log2,
-                HKV, D, BS, TILE, IEEE,
-            )  # fmt: skip
+    m_i, l_i, acc = _attend_range(
+        q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, lo, hi, m_i, l_i, acc, scale_log2,
+        SPLIT, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE,
+    )  # fmt: skip
     part = head * NSPLIT + split  # [GP]
     tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=g_mask[:, None])
     tl.store(ml_ptr + part * 2, m_i, mask=g_mask)
