@@ -68,7 +68,7 @@ class SequenceBatch:
         resp_len = int(resp_h.sum(1).max()) if idx.numel() else 0
         resp_len = max(resp_len, 1)
         cols = slice(left, P + resp_len)
-        on = idx.to(self.input_ids.device, non_blocking=True)
+        on = to_device(idx, self.input_ids.device)
         return replace(
             self,
             input_ids=self.input_ids[on][:, cols],
@@ -83,12 +83,22 @@ class SequenceBatch:
     @staticmethod
     def _rows_of(v: torch.Tensor, idx: torch.Tensor, on: torch.Tensor, resp_len: int, T: int) -> torch.Tensor:
         """Rows `idx` of a per-sequence / per-token tensor, indexed on its own device."""
-        rows = v[on if v.device == on.device else idx.to(v.device)]
+        rows = v[on if v.device == on.device else to_device(idx, v.device)]
         return rows[:, :resp_len] if v.dim() == 2 and v.shape[1] == T else rows
 
     def to(self, device: torch.device) -> "SequenceBatch":
         kw = {f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
         return replace(self, tensors={k: v.to(device) for k, v in self.tensors.items()}, host=self.host_view(), **kw)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` without stalling the host: a copy from pageable CPU memory to a GPU first waits
+    for the whole stream to drain (CUDA's rule for pageable transfers), so CPU tensors go through
+    pinned memory (PyTorch's caching host allocator keeps the buffer until the copy is done)."""
+    device = torch.device(device)
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def build_sequence_batch(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int) -> SequenceBatch:
