@@ -105,7 +105,8 @@ def test_auto_picks_flash_for_bf16_and_flex_for_fp32():
 @gpu
 def test_flash_is_as_close_to_exact_as_flex_eager_and_compiled():
     """bf16 packed log-probs and gradients with flash are as close to the fp32 model's as flex's are,
-    eager and in compiled decoder layers (train.compile), over micro-batches of changing shapes."""
+    eager, in compiled decoder layers and in the whole compiled decoder with gradient checkpointing
+    (train.compile, train.compile_scope), over micro-batches of changing shapes."""
     from hybridrl.train.setup import compile_layers
 
     shapes = ((3, 4), (2, 3), (4, 2))  # three packed shapes: the compiled layers must follow them
@@ -124,17 +125,19 @@ def test_flash_is_as_close_to_exact_as_flex_eager_and_compiled():
     truth = run(exact)
     errors = {}
     for kernel in ("flex", "flash"):
-        for compiled in (False, True):
+        for compiled in (False, "layers", "model"):
             model = _model(torch.bfloat16).train()
             assert enable_packed_attention(model, kernel) == kernel
+            if compiled == "model":
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if compiled:
-                compile_layers(model)
+                compile_layers(model, compiled)
             errs = []
             for (lp, g), (lp_t, g_t), batch in zip(run(model), truth, batches):
                 mask = batch.response_mask
                 errs.append((((lp - lp_t).abs() * mask).sum().item() / mask.sum().item(), ((g - g_t).norm() / g_t.norm()).item()))
             errors[(kernel, compiled)] = errs
-    for compiled in (False, True):
+    for compiled in (False, "layers", "model"):
         for (lp_flash, g_flash), (lp_flex, g_flex) in zip(errors[("flash", compiled)], errors[("flex", compiled)]):
             assert lp_flex < 5e-2 and g_flex < 5e-2, errors  # flex itself within bf16 rounding of exact
             assert lp_flash < 1.5 * lp_flex + 1e-3, errors

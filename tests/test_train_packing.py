@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hybridrl.models import load_critic
-from hybridrl.train.attention import BLOCK, _block_mask, enable_packed_attention, packed_attention_mask
+from hybridrl.train.attention import BLOCK, _block_mask, _FlashVarlen, enable_packed_attention, packed_attention_mask
 from hybridrl.train.batch import build_sequence_batch
 from hybridrl.train.logprobs import response_logprobs, response_values
 from hybridrl.train.packing import micro_batch_work, pack_sequences, plan_micro_batches
@@ -28,14 +28,11 @@ def _batch(num_prompts=4, n=3, seed=0, max_response=7):
     return build_sequence_batch(prompts, responses, pad_id=0)
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model_path):
-    m = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
-    enable_packed_attention(m)
-    return m
-
-
-def test_packed_and_padded_logprobs_entropy_and_gradients_agree(model):
+@pytest.mark.parametrize("kernel", ["auto", "flash"])
+def test_packed_and_padded_logprobs_entropy_and_gradients_agree(tiny_model_path, kernel):
+    """auto on CPU: the dense packed mask; flash: the varlen segments through the kernel's reference."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    assert enable_packed_attention(model, kernel) == ("flash" if kernel == "flash" else "flex")
     batch = _batch()
     packed = dataclasses.replace(batch, packed=True)
     lp_pad, ent_pad = response_logprobs(model, batch, with_entropy=True)
@@ -157,6 +154,65 @@ def test_varlen_segments_compute_the_packed_mask_attention(pad):
     got = _segment_attention(q, k, v, layout)
     real = layout.num_tokens
     torch.testing.assert_close(got[:real], want[:real])
+
+
+def test_flash_reference_is_segment_attention_with_its_gradients():
+    """Off CUDA, `_FlashVarlen` (the flash kernel's contract: grouped-query heads, bottom-right causal
+    segments) runs a dense reference; its output and its hand-written backward (from the saved
+    log-sum-exp, as the kernel's) match autograd through per-segment attention."""
+    batch = _batch(num_prompts=3, n=3, seed=7, max_response=9)
+    layout = pack_sequences(batch, pad_to_multiple=4)
+    L, K = layout.length, layout.kv_index.numel()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(L, 4, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(L, 2, 8, generator=g, requires_grad=True) for _ in range(2))
+    keys, values = k.index_select(0, layout.kv_index), v.index_select(0, layout.kv_index)
+    out = _FlashVarlen.apply(q, keys, values, layout.cu_seq_q, layout.cu_seq_k, layout.max_q, layout.max_k, None)
+    want = _segment_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), layout)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    grad = torch.randn(out.shape, generator=g)
+    got_grads = torch.autograd.grad(out, (q, k, v), grad)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert K == layout.cu_seq_k[-1]
+
+
+def test_whole_decoder_compile_matches_eager_with_checkpointing():
+    """train.compile_scope=model: the whole decoder, gradient checkpointing and the varlen attention
+    traced into one graph (no graph breaks), over packed micro-batches of changing shapes, gives the
+    eager log-probs and gradients."""
+    import transformers
+
+    from hybridrl.train.setup import compile_layers
+
+    config = transformers.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    batches = [dataclasses.replace(_batch(num_prompts=p, n=n, seed=p), packed=True) for p, n in ((3, 2), (2, 3), (4, 2))]
+
+    def run(compiled: bool):
+        torch.manual_seed(0)
+        model = transformers.Qwen2ForCausalLM(config).train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_packed_attention(model, "flash")
+        if compiled:
+            compile_layers(model, "model")
+        outs = []
+        for batch in batches:
+            lp, ent = response_logprobs(model, batch, with_entropy=True)
+            grads = torch.autograd.grad(lp.sum() + ent.sum(), list(model.parameters()))
+            outs.append((lp, torch.cat([g.flatten() for g in grads])))
+        return outs
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eager, compiled = run(False), run(True)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    for (lp_e, g_e), (lp_c, g_c) in zip(eager, compiled):
+        torch.testing.assert_close(lp_c, lp_e, atol=1e-5, rtol=0)
+        torch.testing.assert_close(g_c, g_e, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="compile_scope"):
+        compile_layers(transformers.Qwen2ForCausalLM(config), "everything")
 
 
 @pytest.mark.parametrize("packed", [False, True])

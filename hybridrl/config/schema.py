@@ -124,7 +124,10 @@ class TrainConfig:
     # native rollout engine does (rollout.fp32_residual): log-probs closer to exact and to the rollout's;
     # with gradient checkpointing each layer's saved input takes fp32 instead of bf16
     fp32_residual: bool = False
-    compile: bool = False  # torch.compile the decoder layers of the policy, reference and critic; for the native rollout backend (hf generate recompiles per shape)
+    compile: bool = False  # torch.compile the decoder of the policy, reference and critic; for the native rollout backend (hf generate recompiles per shape)
+    # What one compiled graph covers: "layers" (each decoder layer; fast to compile) or "model" (the whole
+    # decoder with its checkpointing: one call per micro-batch instead of ~3 per layer, fewer host stalls)
+    compile_scope: str = "layers"
     ppo_epochs: int = 1  # passes over each rollout batch
     lr: float = 1e-6  # actor learning rate
     critic_lr: float = 1e-5  # critic learning rate (PPO)

@@ -10,8 +10,9 @@ Two kernels serve packed rows on CUDA (`train.packed_attention`):
 at W0.5B shapes (bench/flex_attention.py --kernels, 13k packed tokens) flash takes forward + backward
 from 1.149 ms to 0.793 ms (its forward alone is slower: 0.201 ms against 0.164 ms); in a profiled
 training step the attention kernels went from 435 ms to 175 ms (train/NOTES.md). FlexAttention has
-no backward on CPU, so there the mask is a dense `[1, 1, L, L]` boolean handed to SDPA. Padded
-(unpacked) calls are plain SDPA.
+no backward on CPU, so there (`auto`) the mask is a dense `[1, 1, L, L]` boolean handed to SDPA;
+`flash` asked for on a CPU runs the same segments through a dense fp32 reference of the kernel (for
+tests: it is as slow as the mask). Padded (unpacked) calls are plain SDPA.
 
 The attention implementation of a HF model is looked up by name at every forward, including the
 recomputation of a gradient-checkpointed layer during backward, so packing is enabled by switching
@@ -59,11 +60,17 @@ class VarlenSegments:
 
 class _FlashVarlen(torch.autograd.Function):
     """FlashAttention-2 over variable-length segments (PyTorch's own kernel), causal from the bottom
-    right. q `[Tq, H, D]`, k / v `[Tk, Hkv, D]` (grouped-query attention when Hkv < H)."""
+    right. q `[Tq, H, D]`, k / v `[Tk, Hkv, D]` (grouped-query attention when Hkv < H). Off CUDA the
+    same contract runs as a dense reference (`_varlen_reference_*`): tests and CPU runs of
+    `train.packed_attention=flash` go through this exact function."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float | None):
-        out, lse, rng_a, rng_b, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
+        if q.is_cuda:
+            out, lse, rng_a, rng_b, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
+        else:
+            out, lse = _varlen_reference_forward(q, k, v, cu_q, cu_k, scale)
+            rng_a = rng_b = lse.new_empty(0)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_a, rng_b)
         ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
         return out
@@ -71,10 +78,61 @@ class _FlashVarlen(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, cu_q, cu_k, rng_a, rng_b = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, True, rng_a, rng_b, scale=ctx.scale
-        )
+        if q.is_cuda:
+            dq, dk, dv = torch.ops.aten._flash_attention_backward(
+                grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, True, rng_a, rng_b, scale=ctx.scale
+            )
+        else:
+            dq, dk, dv = _varlen_reference_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, ctx.scale)
         return dq, dk, dv, None, None, None, None, None
+
+
+def _varlen_visible(cu_q: torch.Tensor, cu_k: torch.Tensor, Tq: int, Tk: int) -> torch.Tensor:
+    """`[Tq, Tk]` True where query i may see key j: the same segment, and j no further from its
+    segment's end than i is from its own (causal from the bottom right)."""
+    cu_q, cu_k = cu_q.long(), cu_k.long()
+    qi = torch.arange(Tq, device=cu_q.device)
+    kj = torch.arange(Tk, device=cu_k.device)
+    seg_q = torch.searchsorted(cu_q, qi, right=True) - 1
+    seg_k = torch.searchsorted(cu_k, kj, right=True) - 1
+    q_to_end = cu_q[seg_q + 1] - 1 - qi
+    k_to_end = cu_k[seg_k + 1] - 1 - kj
+    return (seg_q[:, None] == seg_k[None, :]) & (k_to_end[None, :] >= q_to_end[:, None])
+
+
+def _varlen_scores(q, k, cu_q, cu_k, scale):
+    H, D = q.shape[1], q.shape[2]
+    k = k.float().repeat_interleave(H // k.shape[1], dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * (scale if scale is not None else D**-0.5)
+    return s.masked_fill(~_varlen_visible(cu_q, cu_k, q.shape[0], k.shape[0]), float("-inf"))
+
+
+def _varlen_reference_forward(q, k, v, cu_q, cu_k, scale):
+    """(out `[Tq, H, D]`, log-sum-exp `[H, Tq]` fp32) of `_FlashVarlen`, as dense fp32 attention."""
+    s = _varlen_scores(q, k, cu_q, cu_k, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    v = v.float().repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    out = torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]), v)
+    return out.to(q.dtype), lse
+
+
+def _varlen_reference_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, scale):
+    """(dq, dk, dv) of `_varlen_reference_forward`, from the saved log-sum-exp (as flash does)."""
+    H, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
+    group = H // Hkv
+    scale = scale if scale is not None else D**-0.5
+    p = torch.exp(_varlen_scores(q, k, cu_q, cu_k, scale) - lse[..., None])  # [H, Tq, Tk]
+    do = grad_out.float()
+    k_full = k.float().repeat_interleave(group, dim=1)
+    v_full = v.float().repeat_interleave(group, dim=1)
+    dv = torch.einsum("hqk,qhd->khd", p, do)
+    dp = torch.einsum("qhd,khd->hqk", do, v_full)
+    delta = (do * out.float()).sum(-1).transpose(0, 1)  # [H, Tq]
+    ds = p * (dp - delta[..., None])
+    dq = torch.einsum("hqk,khd->qhd", ds, k_full) * scale
+    dk = torch.einsum("hqk,qhd->khd", ds, q.float()) * scale
+    fold = lambda t: t.view(t.shape[0], Hkv, group, D).sum(2)  # noqa: E731  (query heads -> their KV head)
+    return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
 
 
 def _flash_varlen_attention(query, key, value, seg: VarlenSegments, scaling: float | None):
@@ -177,9 +235,9 @@ def packed_kernel(base_model: torch.nn.Module) -> str:
 
 def packed_forward_inputs(layout: PackedLayout, kernel: str) -> dict:
     """The attention keyword arguments of a forward pass over a packed row: the varlen segments for
-    `flash` on CUDA (the mask argument is then an empty 4-D placeholder that HF passes through
-    untouched), else `packed_attention_mask(layout)`."""
-    if kernel == "flash" and layout.input_ids.device.type == "cuda":
+    `flash` (the mask argument is then an empty 4-D placeholder that HF passes through untouched;
+    off CUDA they run through the dense reference), else `packed_attention_mask(layout)`."""
+    if kernel == "flash":
         seg = VarlenSegments(layout.cu_seq_q, layout.cu_seq_k, layout.kv_index, layout.max_q, layout.max_k)
         return {"attention_mask": _placeholder_mask(layout.input_ids.device), "hybridrl_varlen": seg}
     return {"attention_mask": packed_attention_mask(layout)}

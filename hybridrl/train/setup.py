@@ -36,17 +36,29 @@ def prepare_for_training(model: torch.nn.Module, train: TrainConfig, *, gradient
     return packed
 
 
-def compile_layers(model: torch.nn.Module) -> None:
-    """`torch.compile` of every decoder layer (`train.compile`): one compiled graph serves all layers."""
+def compile_layers(model: torch.nn.Module, scope: str = "layers") -> None:
+    """`torch.compile` of the model's decoder (`train.compile`, `train.compile_scope`).
+
+    "layers": each decoder layer; one compiled graph serves all of them, and gradient checkpointing
+    wraps each compiled call, so a micro-batch costs ~3 compiled calls per layer (forward,
+    recomputation, backward). "model": the whole decoder (`model.<base_model_prefix>`) as one graph,
+    checkpointing traced into it: two calls per micro-batch. Same numbers either way; "model" compiles
+    longer the first time and leaves the host far less to do per micro-batch."""
     base = getattr(model, model.base_model_prefix)
     layers = getattr(base, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
+    if scope not in ("layers", "model"):
+        raise ValueError(f"train.compile_scope must be 'layers' or 'model', not {scope!r}")
+    if scope == "layers" and not isinstance(layers, torch.nn.ModuleList):
         raise ValueError(f"train.compile: {type(model).__name__} has no `{model.base_model_prefix}.layers`; set train.compile=false")
     # Inductor would otherwise keep fp32 where the eager layer rounds to bf16 (RMSNorm, rotary),
     # which moves the trainer's log-probs away from the rollout engine's (it rounds as eager does).
     import torch._inductor.config as inductor_config
 
     inductor_config.emulate_precision_casts = True
+    if scope == "model":
+        base.compile()
+        log.info("train.compile: the whole %s decoder compiled on first use", type(base).__name__)
+        return
     for layer in layers:
         layer.compile()
     log.info("train.compile: %d decoder layers compiled on first use", len(layers))

@@ -93,7 +93,7 @@ class TrainerEngine:
         if cfg.train.compile:
             for module in (self.model, self.ref_model, self.critic):
                 if module is not None:
-                    compile_layers(module)
+                    compile_layers(module, cfg.train.compile_scope)
 
         self.output_dir = Path(cfg.trainer.output_dir)
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
