@@ -61,13 +61,3 @@ def grad_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> lis
     masters (which hold the gradients)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     return optimizer.masters(trainable) if isinstance(optimizer, MasterWeightAdamW) else trainable
-
-
-def grads_are_finite(params) -> bool:
-    """False if any gradient holds NaN/inf. `params`: tensors, or a module (its parameters). One host sync."""
-    if isinstance(params, torch.nn.Module):
-        params = params.parameters()
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return True
-    return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())

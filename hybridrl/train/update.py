@@ -6,6 +6,7 @@ gradients are accumulated, clipped, checked for NaN/inf and applied.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -14,7 +15,7 @@ import torch
 
 from hybridrl import failpoints
 from hybridrl.train.oom import run_with_split_retry
-from hybridrl.train.optim import grad_params, grads_are_finite
+from hybridrl.train.optim import grad_params
 
 # loss_fn(micro_batch) -> (loss already normalised by the whole mini-batch, metrics)
 LossFn = Callable[[Any], tuple[torch.Tensor, dict[str, Any]]]
@@ -51,15 +52,15 @@ def optimizer_step(
         micro_batches, lambda micros: _accumulate(micros, loss_fn), on_retry=lambda: optimizer.zero_grad(set_to_none=True)
     )
     params = grad_params(model, optimizer)  # under mixed precision: the fp32 masters, which hold the gradients
-    finite = grads_are_finite(params)
-    if finite:
-        max_norm = grad_clip if grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        finite = bool(torch.isfinite(torch.tensor(grad_norm)))
-    else:
-        grad_norm = float("nan")
+    # One host sync for the NaN/inf check and the norm: a NaN/inf in any gradient makes the total norm
+    # non-finite (so does a norm beyond fp32's range, after which no update should be applied either).
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    finite = math.isfinite(grad_norm)
     if finite:
         optimizer.step()
+    else:
+        grad_norm = float("nan")
     optimizer.zero_grad(set_to_none=True)
     metrics = {k: (v if k.endswith(("loss", "/max")) else v / max(count, 1)) for k, v in sums.items()}
     return StepResult(grad_norm=grad_norm, skipped=not finite, metrics=metrics)
