@@ -178,15 +178,16 @@ def test_flash_reference_is_segment_attention_with_its_gradients():
     assert K == layout.cu_seq_k[-1]
 
 
-def test_whole_decoder_compile_matches_eager_with_checkpointing():
-    """train.compile_scope=model: the whole decoder, gradient checkpointing and the varlen attention
-    traced into one graph (no graph breaks), over packed micro-batches of changing shapes, gives the
-    eager log-probs and gradients."""
+def test_compiled_layer_groups_match_the_eager_model_with_checkpointing():
+    """train.compile_layers_per_graph=2 on a 3-layer model (groups of 2 and 1): the layers, their
+    gradient checkpointing and the varlen attention traced into one graph per group (no graph
+    breaks), over packed micro-batches of changing shapes, give the eager HF forward's log-probs and
+    gradients; parameters and state dict are the model's own."""
     import transformers
 
     from hybridrl.train.setup import compile_layers
 
-    config = transformers.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = transformers.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                       num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     batches = [dataclasses.replace(_batch(num_prompts=p, n=n, seed=p), packed=True) for p, n in ((3, 2), (2, 3), (4, 2))]
 
@@ -195,8 +196,11 @@ def test_whole_decoder_compile_matches_eager_with_checkpointing():
         model = transformers.Qwen2ForCausalLM(config).train()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         enable_packed_attention(model, "flash")
+        names = list(model.state_dict())
         if compiled:
-            compile_layers(model, "model")
+            compile_layers(model, 2)
+            assert [len(g.layers) for g in model.model._hybridrl_layer_groups] == [2, 1]
+            assert list(model.state_dict()) == names and len(list(model.parameters())) == len(names)
         outs = []
         for batch in batches:
             lp, ent = response_logprobs(model, batch, with_entropy=True)
@@ -208,11 +212,16 @@ def test_whole_decoder_compile_matches_eager_with_checkpointing():
     torch._dynamo.utils.counters.clear()
     eager, compiled = run(False), run(True)
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the groups did run compiled
     for (lp_e, g_e), (lp_c, g_c) in zip(eager, compiled):
         torch.testing.assert_close(lp_c, lp_e, atol=1e-5, rtol=0)
         torch.testing.assert_close(g_c, g_e, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="compile_scope"):
-        compile_layers(transformers.Qwen2ForCausalLM(config), "everything")
+    with pytest.raises(ValueError, match="compile_layers_per_graph"):
+        compile_layers(transformers.Qwen2ForCausalLM(config), 0)
+    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8))  # fmt: skip
+    with pytest.raises(ValueError, match="set it to 1"):
+        compile_layers(gemma, 2)
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -125,9 +125,11 @@ class TrainConfig:
     # with gradient checkpointing each layer's saved input takes fp32 instead of bf16
     fp32_residual: bool = False
     compile: bool = False  # torch.compile the decoder of the policy, reference and critic; for the native rollout backend (hf generate recompiles per shape)
-    # What one compiled graph covers: "layers" (each decoder layer; fast to compile) or "model" (the whole
-    # decoder with its checkpointing: one call per micro-batch instead of ~3 per layer, fewer host stalls)
-    compile_scope: str = "layers"
+    # Decoder layers per compiled graph (train.compile, packed rows, llama/mistral/qwen2/qwen3): 1 compiles
+    # each layer (~3 compiled calls per layer per micro-batch); N > 1 runs groups of N layers with their
+    # checkpointing as one graph (~2 calls per group): less host work per micro-batch, a longer first
+    # compile, and up to N layers' gradients alive at once in the backward
+    compile_layers_per_graph: int = 1
     ppo_epochs: int = 1  # passes over each rollout batch
     lr: float = 1e-6  # actor learning rate
     critic_lr: float = 1e-5  # critic learning rate (PPO)

@@ -57,7 +57,6 @@ def validate_config(cfg: Config, *, require_paths: bool = True) -> None:
     _check_choice("train.lr_schedule", cfg.train.lr_schedule, ("constant", "cosine"))
     _check_choice("train.packing", cfg.train.packing, ("auto", "on", "off"))
     _check_choice("train.packed_attention", cfg.train.packed_attention, ("auto", "flash", "flex"))
-    _check_choice("train.compile_scope", cfg.train.compile_scope, ("layers", "model"))
     _check_choice("train.master_weights", cfg.train.master_weights, MASTER_WEIGHTS)
     if cfg.train.master_weights == "compensated" and cfg.model.dtype == "float16":
         raise ConfigError("train.master_weights=compensated needs a bfloat16 model, but model.dtype is float16: use model.dtype=bfloat16 or train.master_weights=fp32")
@@ -74,6 +73,7 @@ def validate_config(cfg: Config, *, require_paths: bool = True) -> None:
     _non_negative("train.max_tokens_per_micro_batch", cfg.train.max_tokens_per_micro_batch or 0)
     _non_negative("train.max_tokens_per_forward", cfg.train.max_tokens_per_forward or 0)
     _positive("train.ppo_epochs", cfg.train.ppo_epochs)
+    _positive("train.compile_layers_per_graph", cfg.train.compile_layers_per_graph)
     _positive("rollout.n", cfg.rollout.n)
     _positive("rollout.max_tokens", cfg.rollout.max_tokens)
     _positive("data.max_prompt_length", cfg.data.max_prompt_length)

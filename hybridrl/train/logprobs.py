@@ -9,11 +9,13 @@ return `[B, T]` tensors in the batch's layout, zero on padding.
 from __future__ import annotations
 
 import torch
+from transformers.modeling_outputs import BaseModelOutput
 
 from hybridrl.train.attention import BLOCK, check_window, packed_forward_inputs, packed_kernel
 from hybridrl.train.batch import SequenceBatch
 from hybridrl.train.lm_head import token_logprobs
 from hybridrl.train.packing import pack_sequences
+from hybridrl.train.setup import grouped_decoder_forward
 
 
 def _run(model: torch.nn.Module, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -25,7 +27,12 @@ def _run(model: torch.nn.Module, batch: SequenceBatch) -> tuple[torch.Tensor, to
         kernel = packed_kernel(model)
         # FlexAttention's BlockMask covers whole tiles: the row is padded to a multiple of one.
         layout = pack_sequences(batch, pad_to_multiple=BLOCK if on_cuda and kernel == "flex" else 1)
-        out = model(input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False, **packed_forward_inputs(layout, kernel))
+        attention = packed_forward_inputs(layout, kernel)
+        if getattr(model, "_hybridrl_layer_groups", None):  # train.compile_layers_per_graph > 1
+            hidden = grouped_decoder_forward(model, layout.input_ids, layout.position_ids, **attention)
+            out = BaseModelOutput(last_hidden_state=hidden)
+        else:
+            out = model(input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False, **attention)
         return out, layout.logit_index, layout.labels, layout.target_index
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False)
     rows, cols = batch.response_mask.nonzero(as_tuple=True)

@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from hybridrl.config import TrainConfig
+from hybridrl.config import ConfigError, TrainConfig
 from hybridrl.train.attention import enable_packed_attention, supports_packing
 from hybridrl.train.residual import enable_fp32_residual
 
@@ -36,29 +36,70 @@ def prepare_for_training(model: torch.nn.Module, train: TrainConfig, *, gradient
     return packed
 
 
-def compile_layers(model: torch.nn.Module, scope: str = "layers") -> None:
-    """`torch.compile` of the model's decoder (`train.compile`, `train.compile_scope`).
+# Decoders whose forward is embed -> rotary -> layers -> norm with nothing else in between, so that
+# `grouped_decoder_forward` computes exactly what their HF forward does on a packed row.
+GROUPABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
-    "layers": each decoder layer; one compiled graph serves all of them, and gradient checkpointing
-    wraps each compiled call, so a micro-batch costs ~3 compiled calls per layer (forward,
-    recomputation, backward). "model": the whole decoder (`model.<base_model_prefix>`) as one graph,
-    checkpointing traced into it: two calls per micro-batch. Same numbers either way; "model" compiles
-    longer the first time and leaves the host far less to do per micro-batch."""
+
+class LayerGroup(torch.nn.Module):
+    """Consecutive decoder layers run as one compiled graph (`train.compile_layers_per_graph`). It
+    refers to the model's own layers (each keeps its gradient checkpointing) and is not registered
+    in the model, so parameters, state dicts and the rollout engine's shared weights are unchanged."""
+
+    def __init__(self, layers: list[torch.nn.Module]):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        for layer in self.layers:
+            out = layer(hidden_states, **kwargs)
+            hidden_states = out[0] if isinstance(out, tuple) else out
+        return hidden_states
+
+
+def compile_layers(model: torch.nn.Module, layers_per_graph: int = 1) -> None:
+    """`torch.compile` of the model's decoder layers (`train.compile`).
+
+    `layers_per_graph` 1: each layer is compiled (one compiled graph serves all of them); gradient
+    checkpointing wraps each compiled call, so a micro-batch costs ~3 compiled calls per layer
+    (forward, recomputation, backward), each with its own host-side dispatch. N > 1: groups of N
+    consecutive layers (`LayerGroup`), checkpointing traced into the graph, so a micro-batch costs ~2
+    calls per group; packed rows then run through `grouped_decoder_forward`. A group's backward
+    returns the gradients of all its layers at once, so larger groups hold more of them alive
+    (N/num_layers of the model's gradients, in the worst case) and compile longer the first time."""
     base = getattr(model, model.base_model_prefix)
     layers = getattr(base, "layers", None)
-    if scope not in ("layers", "model"):
-        raise ValueError(f"train.compile_scope must be 'layers' or 'model', not {scope!r}")
-    if scope == "layers" and not isinstance(layers, torch.nn.ModuleList):
+    if not isinstance(layers, torch.nn.ModuleList):
         raise ValueError(f"train.compile: {type(model).__name__} has no `{model.base_model_prefix}.layers`; set train.compile=false")
+    if layers_per_graph < 1:
+        raise ConfigError(f"train.compile_layers_per_graph must be >= 1, got {layers_per_graph}")
+    if layers_per_graph > 1 and getattr(model.config, "model_type", None) not in GROUPABLE_MODEL_TYPES:
+        raise ConfigError(
+            f"train.compile_layers_per_graph > 1 runs the decoder's layers outside its HF forward, which is known to be "
+            f"equivalent for {', '.join(GROUPABLE_MODEL_TYPES)} models, not {model.config.model_type!r}: set it to 1"
+        )
     # Inductor would otherwise keep fp32 where the eager layer rounds to bf16 (RMSNorm, rotary),
     # which moves the trainer's log-probs away from the rollout engine's (it rounds as eager does).
     import torch._inductor.config as inductor_config
 
     inductor_config.emulate_precision_casts = True
-    if scope == "model":
-        base.compile()
-        log.info("train.compile: the whole %s decoder compiled on first use", type(base).__name__)
+    if layers_per_graph == 1:
+        for layer in layers:
+            layer.compile()
+        log.info("train.compile: %d decoder layers compiled on first use", len(layers))
         return
-    for layer in layers:
-        layer.compile()
-    log.info("train.compile: %d decoder layers compiled on first use", len(layers))
+    groups = [LayerGroup(list(layers[i : i + layers_per_graph])) for i in range(0, len(layers), layers_per_graph)]
+    for group in groups:
+        group.compile()
+    base._hybridrl_layer_groups = groups  # a plain list: not registered as submodules
+    log.info("train.compile: %d decoder layers compiled in %d graphs of up to %d", len(layers), len(groups), layers_per_graph)
+
+
+def grouped_decoder_forward(base: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, **layer_kwargs) -> torch.Tensor:
+    """The final hidden states `[1, L, H]` of a packed row through `compile_layers`' layer groups:
+    what the model's own forward computes (GROUPABLE_MODEL_TYPES), one compiled call per group."""
+    hidden = base.embed_tokens(input_ids)
+    position_embeddings = base.rotary_emb(hidden, position_ids)
+    for group in base._hybridrl_layer_groups:
+        hidden = group(hidden, position_embeddings=position_embeddings, position_ids=position_ids, **layer_kwargs)
+    return base.norm(hidden)

@@ -91,9 +91,15 @@ class TrainerEngine:
             if self.offline_algorithm.needs_reference:
                 self.ref_model = frozen_copy(self.model)
         if cfg.train.compile:
-            for module in (self.model, self.ref_model, self.critic):
+            per_graph = cfg.train.compile_layers_per_graph
+            if per_graph > 1 and not self.packed:
+                raise ConfigError("train.compile_layers_per_graph > 1 applies to packed rows, and this run does not pack "
+                                 "(train.packing): set train.packing=on, or train.compile_layers_per_graph=1")  # fmt: skip
+            for module in (self.model, self.ref_model):
                 if module is not None:
-                    compile_layers(module, cfg.train.compile_scope)
+                    compile_layers(module, per_graph)
+            if self.critic is not None:  # values run through the critic's own forward: per-layer graphs
+                compile_layers(self.critic, 1)
 
         self.output_dir = Path(cfg.trainer.output_dir)
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
