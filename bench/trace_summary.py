@@ -1,11 +1,14 @@
 """Where the GPU time of a profiled step went, phase by phase, from a torch.profiler Chrome trace.
 
     python bench/compare_trl.py --skip-trl --profile 3 --trace step3.json.gz
-    python bench/trace_summary.py step3.json.gz [--top 15]
+    python bench/trace_summary.py step3.json.gz [--top 15] [--gaps]
 
 A kernel belongs to the phase (`phase/*` ranges of the step loop) whose CPU range launched it; for
 each phase this prints its wall time, the time the GPU was busy with its kernels (the union of their
 intervals, so overlapping streams count once), the idle rest, and the kernels that took the most time.
+`--gaps` also splits each phase's idle GPU time by what the host was doing meanwhile (inside a
+compiled forward, a compiled backward, another backward function, the optimizer, or elsewhere:
+Python between calls, packing, waiting on a copy).
 """
 
 from __future__ import annotations
@@ -91,17 +94,64 @@ def summarise(events: list[dict], top: int = 15) -> dict:
     return out
 
 
+# Host ranges an idle GPU interval is attributed to, first match wins: (label, name prefix).
+HOST_ACTIVITIES = (
+    ("compiled forward", "Torch-Compiled Region"),
+    ("compiled backward", "autograd::engine::evaluate_function: CompiledFunctionBackward"),
+    ("other backward", "autograd::engine::evaluate_function"),
+    ("optimizer", "Optimizer."),
+)
+
+
+def idle_by_host_activity(events: list[dict]) -> dict[str, dict[str, float]]:
+    """For each phase: ms of GPU idle time (no kernel, copy or memset running) by what the host was in."""
+    ranges = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS)
+    host = {label: sorted((e["ts"], e["ts"] + e["dur"]) for e in ranges if e["name"].startswith(prefix)) for label, prefix in HOST_ACTIVITIES}
+    out: dict[str, dict[str, float]] = {}
+    for phase in (e for e in ranges if e["name"].startswith("phase/") and e["name"] != "phase/step"):
+        t0, t1 = phase["ts"], phase["ts"] + phase["dur"]
+        idle, end = [], t0
+        for a, b in gpu[max(0, bisect.bisect_left(gpu, (t0, t0)) - 1) :]:
+            if a > t1:
+                break
+            if b <= end:
+                continue
+            if a > end:
+                idle.append((end, min(a, t1)))
+            end = b
+        if end < t1:
+            idle.append((end, t1))
+        split = defaultdict(float)
+        for a, b in idle:
+            mid, label = (a + b) / 2, "elsewhere"
+            for name, spans in host.items():
+                i = bisect.bisect_right(spans, (mid, float("inf"))) - 1
+                if i >= 0 and spans[i][0] <= mid <= spans[i][1]:
+                    label = name
+                    break
+            split[label] += (b - a) / 1e3
+        out[phase["name"]] = dict(split)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--gaps", action="store_true", help="split each phase's idle GPU time by host activity")
     args = ap.parse_args(argv)
-    result = summarise(load(args.trace), args.top)
+    events = load(args.trace)
+    result = summarise(events, args.top)
+    gaps = idle_by_host_activity(events) if args.gaps else {}
     for name, r in result.items():
         print(f"\n== {name}: wall {r['wall_ms']:.1f} ms, GPU busy {r['busy_ms']:.1f} ms (kernels {r['kernel_ms']:.1f} ms, "
               f"{r['launches']} launches)")  # fmt: skip
         for k, ms, n in r["top"]:
             print(f"   {ms:9.2f} ms  {n:6d}x  {k}")
+        if name in gaps:
+            split = ", ".join(f"{label} {ms:.1f}" for label, ms in sorted(gaps[name].items(), key=lambda x: -x[1]))
+            print(f"   GPU idle by host activity (ms): {split or 'none'}")
     return result
 
 

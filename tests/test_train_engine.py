@@ -78,3 +78,25 @@ def test_tiny_learning_bench_evaluates_at_its_marks(tmp_path):
     assert [p["train_s"] >= m for p, m in zip(curve, (0.0, 0.3, 1.0))] == [True, True, True] and len(curve) == 3
     assert curve[0]["accuracy"] == 0.265  # the shipped model, greedy, as `hybridrl demo` reports it before training
     assert h["steps"] == curve[-1]["steps"] > 0 and h["s_per_step"] > 0
+
+
+def test_trace_summary_attributes_kernels_and_idle_gpu_time_to_phases(tmp_path):
+    """bench/trace_summary.py on a hand-made trace: busy time is the union of kernel intervals, and
+    each idle interval goes to the host range it falls in (a compiled forward) or to 'elsewhere'."""
+    trace_summary = _bench_script("trace_summary")
+    X = dict(ph="X", tid=1, pid=1)
+    events = [
+        {**X, "cat": "user_annotation", "name": "phase/train", "ts": 0, "dur": 100},
+        {**X, "cat": "cpu_op", "name": "Torch-Compiled Region: 0/1", "ts": 12, "dur": 16},
+        *({**X, "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t, "dur": 1, "args": {"correlation": c}}
+          for c, t in ((1, 1), (2, 13), (3, 80))),
+        {**X, "cat": "kernel", "name": "gemm<float>(int)", "ts": 0, "dur": 10, "args": {"correlation": 1}},
+        {**X, "cat": "kernel", "name": "gemm<float>(int)", "ts": 5, "dur": 5, "args": {"correlation": 2}},  # overlaps the first
+        {**X, "cat": "kernel", "name": "add", "ts": 30, "dur": 10, "args": {"correlation": 3}},
+        {**X, "cat": "kernel", "name": "add", "ts": 90, "dur": 10, "args": {"correlation": 3}},
+    ]
+    summary = trace_summary.summarise(events)
+    assert summary["phase/train"]["busy_ms"] == 0.03 and summary["phase/train"]["wall_ms"] == 0.1
+    assert summary["phase/train"]["top"] == [("add", pytest.approx(0.02), 2), ("gemm", pytest.approx(0.015), 2)]
+    idle = trace_summary.idle_by_host_activity(events)["phase/train"]
+    assert idle == {"compiled forward": pytest.approx(0.02), "elsewhere": pytest.approx(0.05)}
