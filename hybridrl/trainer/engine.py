@@ -36,6 +36,7 @@ from hybridrl.train.offline import get_offline_algorithm
 from hybridrl.train.optim import build_optimizer, build_scheduler
 from hybridrl.train.attention import enable_packed_attention
 from hybridrl.train.policy import PolicyTrainer
+from hybridrl.train.optim_offload import OffloadedOptimizerState
 from hybridrl.train.reference import OffloadedWeights
 from hybridrl.train.setup import compile_layers, prepare_for_training
 from hybridrl.train.update import NonFiniteLossError
@@ -80,6 +81,7 @@ class TrainerEngine:
         self.packed = prepare_for_training(self.model, cfg.train, gradient_checkpointing=cfg.model.gradient_checkpointing)
         self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=cfg.train.adam_betas, eps=cfg.train.adam_eps, master_weights=cfg.train.master_weights)
         self.scheduler = self._scheduler(self.optimizer)
+        self.optimizer_offloads: list[OffloadedOptimizerState] = []
         self.ref_model = None
         self.ref_offload: OffloadedWeights | None = None
         self.critic = None
@@ -100,6 +102,12 @@ class TrainerEngine:
                     compile_layers(module, per_graph)
             if self.critic is not None:  # values run through the critic's own forward: per-layer graphs
                 compile_layers(self.critic, 1)
+        if cfg.train.offload_optimizer:
+            if self.device.type == "cuda":
+                optimizers = [self.optimizer] + ([self.critic_trainer.optimizer] if self.critic_trainer is not None else [])
+                self.optimizer_offloads = [OffloadedOptimizerState(opt) for opt in optimizers]
+            else:
+                log.warning("train.offload_optimizer: the model is on %s, where the optimizer state already is in CPU memory; ignored", self.device)
 
         self.output_dir = Path(cfg.trainer.output_dir)
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
