@@ -87,8 +87,8 @@ class SequenceBatch:
         return rows[:, :resp_len] if v.dim() == 2 and v.shape[1] == T else rows
 
     def to(self, device: torch.device) -> "SequenceBatch":
-        kw = {f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
-        return replace(self, tensors={k: v.to(device) for k, v in self.tensors.items()}, host=self.host_view(), **kw)
+        kw = {f.name: to_device(getattr(self, f.name), device) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, tensors={k: to_device(v, device) for k, v in self.tensors.items()}, host=self.host_view(), **kw)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hybridrl.algos import AdvantageConfig, apply_kl_penalty, get_advantage_estimator, masked_mean, scores_to_token_rewards
-from hybridrl.train.batch import SequenceBatch, build_sequence_batch, pad_per_token
+from hybridrl.train.batch import SequenceBatch, build_sequence_batch, pad_per_token, to_device
 from hybridrl.train.oom import generate_in_parts
 from hybridrl.metrics.flops import forward_flops, mfu
 from hybridrl.train.packing import Work
@@ -44,7 +44,7 @@ def rl_step(t: "TrainerEngine", prompts: list["PromptExample"]) -> dict[str, Any
         if texts is not None:
             texts.result()
         scores, reward_metrics = score_responses(t, prompts, samples, scorer)
-    batch["scores"] = scores.to(batch.input_ids.device)
+    batch["scores"] = to_device(scores, batch.input_ids.device)
     with timer.phase("old_logprobs"):
         diff_metrics = compute_old_logprobs(t, batch)
     with timer.phase("values"):
