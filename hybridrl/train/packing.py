@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 
 from hybridrl.train.batch import SequenceBatch, split_indices, to_device
@@ -88,86 +87,70 @@ def _rows(batch: SequenceBatch) -> _Rows:
     return _Rows(prompt_lens, response_lens, list(groups.values()))
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """`concatenate([arange(s, s + n) for s, n in zip(starts, lengths)])` without a Python loop."""
-    total = int(lengths.sum())
-    offsets = np.cumsum(lengths) - lengths
-    return np.arange(total, dtype=np.int64) - np.repeat(offsets - starts, lengths)
-
-
 def pack_sequences(batch: SequenceBatch, *, pad_to_multiple: int = 1) -> PackedLayout:
-    """The batch's sequences as one packed row (on the batch's device).
-
-    Built with numpy from the batch's host view (a few hundred microseconds for a 32k-token row) and
-    copied through pinned memory, so packing the next micro-batch never drains the GPU's queue."""
+    """The batch's sequences as one packed row (on the batch's device; copied through pinned memory,
+    so packing the next micro-batch never drains the GPU's queue)."""
     rows = _rows(batch)
     P, T = batch.prompt_width, batch.response_mask.shape[1]
-    ids = batch.host_view()[0].numpy()
-    # One entry per segment (a prompt, a response, the padding): where its tokens come from in the
-    # batch, where it starts in the row, its first position, prompt group, branch, and (responses)
-    # where its prompt starts and how long that prompt is.
-    src_row, src_col, length, pos0, doc, branch, prompt_at, prompt_len, target_row = ([] for _ in range(9))
+    ids_cpu = batch.host_view()[0]
+    pieces, positions, docs, branches, logit_index, labels, target = [], [], [], [], [], [], []
+    seg_q, seg_k, kv_pieces = [0], [0], []  # varlen segments (PackedLayout.cu_seq_q / cu_seq_k / kv_index)
     cursor = 0
     for g, group in enumerate(rows.groups):
         n_prompt = rows.prompt_lens[group[0]]
-        prompt_start = cursor
-        src_row.append(group[0]), src_col.append(P - n_prompt), length.append(n_prompt), pos0.append(0)
-        doc.append(g), branch.append(0), prompt_at.append(prompt_start), prompt_len.append(0), target_row.append(-1)
+        pieces.append(ids_cpu[group[0], P - n_prompt : P])
+        positions.append(torch.arange(n_prompt))
+        docs.append(torch.full((n_prompt,), g))
+        branches.append(torch.zeros(n_prompt, dtype=torch.long))
+        prompt_keys = torch.arange(cursor, cursor + n_prompt)
+        kv_pieces.append(prompt_keys)
+        seg_q.append(seg_q[-1] + n_prompt)
+        seg_k.append(seg_k[-1] + n_prompt)
+        prompt_last = cursor + n_prompt - 1
         cursor += n_prompt
         for k, b in enumerate(group, start=1):
             n = rows.response_lens[b]
             if n == 0:
                 continue
-            src_row.append(b), src_col.append(P), length.append(n), pos0.append(n_prompt)
-            doc.append(g), branch.append(k), prompt_at.append(prompt_start), prompt_len.append(n_prompt), target_row.append(b)
+            tokens = ids_cpu[b, P : P + n]
+            pieces.append(tokens)
+            positions.append(torch.arange(n_prompt, n_prompt + n))
+            docs.append(torch.full((n,), g))
+            branches.append(torch.full((n,), k))
+            # Token t is predicted at the previous position: the prompt's last token for t = 0.
+            logit_index.append(torch.cat([torch.tensor([prompt_last]), torch.arange(cursor, cursor + n - 1)]))
+            labels.append(tokens)
+            target.append(torch.arange(b * T, b * T + n))
+            kv_pieces += [prompt_keys, torch.arange(cursor, cursor + n)]
+            seg_q.append(seg_q[-1] + n)
+            seg_k.append(seg_k[-1] + n_prompt + n)
             cursor += n
     num_tokens = cursor
     pad = -num_tokens % pad_to_multiple
-    length_a, prompt_at_a, prompt_len_a = (np.asarray(x, dtype=np.int64) for x in (length, prompt_at, prompt_len))
-    starts = np.cumsum(length_a) - length_a  # each segment's first row position
-    src = _ranges(np.asarray(src_col, dtype=np.int64), length_a)
-    input_ids = ids[np.repeat(np.asarray(src_row, dtype=np.int64), length_a), src]
-    positions = _ranges(np.asarray(pos0, dtype=np.int64), length_a)
-    docs = np.repeat(np.asarray(doc, dtype=np.int64), length_a)
-    branches = np.repeat(np.asarray(branch, dtype=np.int64), length_a)
-    is_resp = np.asarray(target_row, dtype=np.int64) >= 0
-    r_len, r_start = length_a[is_resp], starts[is_resp]
-    # Token t of a response is predicted at the previous position: its prompt's last token for t = 0.
-    logit_index = _ranges(r_start - 1, r_len)
-    firsts = np.cumsum(r_len) - r_len
-    logit_index[firsts] = (prompt_at_a + prompt_len_a - 1)[is_resp]
-    labels = input_ids[_ranges(r_start, r_len)]
-    target = _ranges(np.asarray(target_row, dtype=np.int64)[is_resp] * T, r_len)
-    # Varlen segments: a response's keys are its prompt, then itself; a prompt's are itself (its
-    # prompt range is empty: prompt_len 0).
-    key_starts = np.stack([prompt_at_a, starts], axis=1).reshape(-1)
-    key_lens = np.stack([prompt_len_a, length_a], axis=1).reshape(-1)
-    kv_index = _ranges(key_starts, key_lens)
-    seg_q, seg_k = length_a, prompt_len_a + length_a
-    if pad:  # the padding at the end: one segment attending to itself only
-        input_ids = np.concatenate([input_ids, np.zeros(pad, dtype=np.int64)])
-        positions = np.concatenate([positions, np.zeros(pad, dtype=np.int64)])
-        docs = np.concatenate([docs, np.full(pad, -1, dtype=np.int64)])
-        branches = np.concatenate([branches, np.zeros(pad, dtype=np.int64)])
-        kv_index = np.concatenate([kv_index, np.arange(num_tokens, num_tokens + pad, dtype=np.int64)])
-        seg_q, seg_k = np.append(seg_q, pad), np.append(seg_k, pad)
-    cu_q = np.concatenate([[0], np.cumsum(seg_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(seg_k)]).astype(np.int32)
-    t = torch.from_numpy
+    if pad:
+        pieces.append(torch.zeros(pad, dtype=torch.long))
+        positions.append(torch.zeros(pad, dtype=torch.long))
+        docs.append(torch.full((pad,), -1))
+        branches.append(torch.zeros(pad, dtype=torch.long))
+        kv_pieces.append(torch.arange(cursor, cursor + pad))  # the padding attends to itself only
+        seg_q.append(seg_q[-1] + pad)
+        seg_k.append(seg_k[-1] + pad)
+    empty = torch.zeros(0, dtype=torch.long)
+    cu_q, cu_k = torch.tensor(seg_q, dtype=torch.int32), torch.tensor(seg_k, dtype=torch.int32)
     layout = PackedLayout(
-        input_ids=t(input_ids)[None],
-        position_ids=t(positions)[None],
-        doc_ids=t(docs),
-        branch_ids=t(branches),
-        logit_index=t(logit_index),
-        labels=t(labels),
-        target_index=t(target),
+        input_ids=torch.cat(pieces)[None],
+        position_ids=torch.cat(positions)[None],
+        doc_ids=torch.cat(docs),
+        branch_ids=torch.cat(branches),
+        logit_index=torch.cat(logit_index) if logit_index else empty,
+        labels=torch.cat(labels) if labels else empty,
+        target_index=torch.cat(target) if target else empty,
         num_tokens=num_tokens,
-        cu_seq_q=t(cu_q),
-        cu_seq_k=t(cu_k),
-        kv_index=t(kv_index),
-        max_q=_bucket(int(seg_q.max()) if seg_q.size else 1),
-        max_k=_bucket(int(seg_k.max()) if seg_k.size else 1),
+        cu_seq_q=cu_q,
+        cu_seq_k=cu_k,
+        kv_index=torch.cat(kv_pieces) if kv_pieces else empty,
+        max_q=_bucket(int((cu_q[1:] - cu_q[:-1]).max()) if len(seg_q) > 1 else 1),
+        max_k=_bucket(int((cu_k[1:] - cu_k[:-1]).max()) if len(seg_k) > 1 else 1),
     )
     return layout.to(batch.input_ids.device)
 
