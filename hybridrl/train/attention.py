@@ -100,19 +100,23 @@ def _varlen_visible(cu_q: torch.Tensor, cu_k: torch.Tensor, Tq: int, Tk: int) ->
     return (seg_q[:, None] == seg_k[None, :]) & (k_to_end[None, :] >= q_to_end[:, None])
 
 
-def _varlen_scores(q, k, cu_q, cu_k, scale):
-    H, D = q.shape[1], q.shape[2]
-    k = k.float().repeat_interleave(H // k.shape[1], dim=1)
-    s = torch.einsum("qhd,khd->hqk", q.float(), k) * (scale if scale is not None else D**-0.5)
-    return s.masked_fill(~_varlen_visible(cu_q, cu_k, q.shape[0], k.shape[0]), float("-inf"))
+def _varlen_scores(q, k_full, cu_q, cu_k, scale):
+    """Masked fp32 scores `[H, Tq, Tk]`; `k_full`: the keys expanded to every query head."""
+    s = torch.einsum("qhd,khd->hqk", q.float(), k_full) * scale
+    return s.masked_fill(~_varlen_visible(cu_q, cu_k, q.shape[0], k_full.shape[0]), float("-inf"))
+
+
+def _per_query_head(t, num_heads):
+    """`[T, Hkv, D]` keys or values as fp32 `[T, H, D]`: each KV head repeated for its query heads."""
+    return t.float().repeat_interleave(num_heads // t.shape[1], dim=1)
 
 
 def _varlen_reference_forward(q, k, v, cu_q, cu_k, scale):
     """(out `[Tq, H, D]`, log-sum-exp `[H, Tq]` fp32) of `_FlashVarlen`, as dense fp32 attention."""
-    s = _varlen_scores(q, k, cu_q, cu_k, scale)
+    H, D = q.shape[1], q.shape[2]
+    s = _varlen_scores(q, _per_query_head(k, H), cu_q, cu_k, scale if scale is not None else D**-0.5)
     lse = torch.logsumexp(s, dim=-1)
-    v = v.float().repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    out = torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]), v)
+    out = torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]), _per_query_head(v, H))
     return out.to(q.dtype), lse
 
 
@@ -121,10 +125,9 @@ def _varlen_reference_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, scale):
     H, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
     group = H // Hkv
     scale = scale if scale is not None else D**-0.5
-    p = torch.exp(_varlen_scores(q, k, cu_q, cu_k, scale) - lse[..., None])  # [H, Tq, Tk]
+    k_full, v_full = _per_query_head(k, H), _per_query_head(v, H)
+    p = torch.exp(_varlen_scores(q, k_full, cu_q, cu_k, scale) - lse[..., None])  # [H, Tq, Tk]
     do = grad_out.float()
-    k_full = k.float().repeat_interleave(group, dim=1)
-    v_full = v.float().repeat_interleave(group, dim=1)
     dv = torch.einsum("hqk,qhd->khd", p, do)
     dp = torch.einsum("qhd,khd->hqk", do, v_full)
     delta = (do * out.float()).sum(-1).transpose(0, 1)  # [H, Tq]
