@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hybridrl.models import load_critic
-from hybridrl.train.attention import BLOCK, _block_mask, _FlashVarlen, enable_packed_attention, packed_attention_mask
+from hybridrl.train.attention import BLOCK, _block_mask, enable_packed_attention, varlen_attention, packed_attention_mask
 from hybridrl.train.batch import build_sequence_batch
 from hybridrl.train.logprobs import response_logprobs, response_values
 from hybridrl.train.packing import micro_batch_work, pack_sequences, plan_micro_batches
@@ -157,8 +157,8 @@ def test_varlen_segments_compute_the_packed_mask_attention(pad):
 
 
 def test_flash_reference_is_segment_attention_with_its_gradients():
-    """Off CUDA, `_FlashVarlen` (the flash kernel's contract: grouped-query heads, bottom-right causal
-    segments) runs a dense reference; its output and its hand-written backward (from the saved
+    """Off CUDA, `varlen_attention` (the flash kernel's contract: grouped-query heads, bottom-right
+    causal segments) runs a dense reference; its output and its hand-written backward (from the saved
     log-sum-exp, as the kernel's) match autograd through per-segment attention."""
     batch = _batch(num_prompts=3, n=3, seed=7, max_response=9)
     layout = pack_sequences(batch, pad_to_multiple=4)
@@ -167,7 +167,8 @@ def test_flash_reference_is_segment_attention_with_its_gradients():
     q = torch.randn(L, 4, 8, generator=g, requires_grad=True)
     k, v = (torch.randn(L, 2, 8, generator=g, requires_grad=True) for _ in range(2))
     keys, values = k.index_select(0, layout.kv_index), v.index_select(0, layout.kv_index)
-    out = _FlashVarlen.apply(q, keys, values, layout.cu_seq_q, layout.cu_seq_k, layout.max_q, layout.max_k, None)
+    out, lse = varlen_attention(q, keys, values, layout.cu_seq_q, layout.cu_seq_k, layout.max_q, layout.max_k, 8**-0.5)
+    assert lse.shape == (4, L) and lse.dtype == torch.float32
     want = _segment_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), layout)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     grad = torch.randn(out.shape, generator=g)

@@ -58,33 +58,70 @@ class VarlenSegments:
     max_k: int
 
 
-class _FlashVarlen(torch.autograd.Function):
-    """FlashAttention-2 over variable-length segments (PyTorch's own kernel), causal from the bottom
-    right. q `[Tq, H, D]`, k / v `[Tk, Hkv, D]` (grouped-query attention when Hkv < H). Off CUDA the
-    same contract runs as a dense reference (`_varlen_reference_*`): tests and CPU runs of
-    `train.packed_attention=flash` go through this exact function."""
+@torch.library.custom_op("hybridrl::varlen_attention", mutates_args=())
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                     max_q: int, max_k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(out `[Tq, H, D]`, log-sum-exp `[H, Tq]` fp32): FlashAttention-2 over variable-length segments
+    (PyTorch's own kernel), causal from the bottom right; q `[Tq, H, D]`, k / v `[Tk, Hkv, D]`
+    (grouped-query attention when Hkv < H). Off CUDA the same contract runs as a dense reference
+    (`_varlen_reference_*`): tests and CPU runs of `train.packed_attention=flash` go through it.
 
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float | None):
-        if q.is_cuda:
-            out, lse, rng_a, rng_b, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
-        else:
-            out, lse = _varlen_reference_forward(q, k, v, cu_q, cu_k, scale)
-            rng_a = rng_b = lse.new_empty(0)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_a, rng_b)
-        ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
-        return out
+    A custom op rather than an autograd.Function: compiled code sees one opaque op whose output the
+    partitioner may recompute under gradient checkpointing. (Traced through an autograd.Function
+    inside a compiled checkpointed region, the kernel's saved tensors were kept for every layer:
+    +0.6 GiB at W0.5B with `train.compile_layers_per_graph` > 1.)"""
+    if q.is_cuda:
+        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
+        _DROPOUT_STATE[q.device] = (seed, offset)
+        return out, lse
+    return _varlen_reference_forward(q, k, v, cu_q, cu_k, scale)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse, cu_q, cu_k, rng_a, rng_b = ctx.saved_tensors
-        if q.is_cuda:
-            dq, dk, dv = torch.ops.aten._flash_attention_backward(
-                grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, True, rng_a, rng_b, scale=ctx.scale
-            )
-        else:
-            dq, dk, dv = _varlen_reference_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
+
+# The kernel's (seed, offset) outputs, which its backward takes as arguments; without dropout they are
+# placeholders it does not read, so the last forward's serve every backward on that device.
+_DROPOUT_STATE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+@varlen_attention.register_fake
+def _(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("hybridrl::varlen_attention_backward", mutates_args=())
+def varlen_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                              lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
+                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dq, dk, dv) of `varlen_attention`."""
+    if q.is_cuda:
+        seed, offset = _DROPOUT_STATE.get(q.device) or (
+            torch.empty(2, dtype=torch.uint64, device=q.device), torch.empty((), dtype=torch.uint64, device=q.device)
+        )
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
+        )
+        return dq, dk, dv
+    return _varlen_reference_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, scale)
+
+
+@varlen_attention_backward.register_fake
+def _(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
+
+
+def _varlen_backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = varlen_attention_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None
+
+
+varlen_attention.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
 def _varlen_visible(cu_q: torch.Tensor, cu_k: torch.Tensor, Tq: int, Tk: int) -> torch.Tensor:
@@ -117,7 +154,7 @@ def _varlen_reference_forward(q, k, v, cu_q, cu_k, scale):
     s = _varlen_scores(q, _per_query_head(k, H), cu_q, cu_k, scale if scale is not None else D**-0.5)
     lse = torch.logsumexp(s, dim=-1)
     out = torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]), _per_query_head(v, H))
-    return out.to(q.dtype), lse
+    return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
 def _varlen_reference_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, scale):
@@ -135,7 +172,7 @@ def _varlen_reference_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, scale):
     dq = torch.einsum("hqk,khd->qhd", ds, k_full) * scale
     dk = torch.einsum("hqk,qhd->khd", ds, q.float()) * scale
     fold = lambda t: t.view(t.shape[0], Hkv, group, D).sum(2)  # noqa: E731  (query heads -> their KV head)
-    return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
+    return dq.to(q.dtype).contiguous(), fold(dk).to(k.dtype).contiguous(), fold(dv).to(v.dtype).contiguous()
 
 
 def _flash_varlen_attention(query, key, value, seg: VarlenSegments, scaling: float | None):
@@ -143,7 +180,8 @@ def _flash_varlen_attention(query, key, value, seg: VarlenSegments, scaling: flo
     q = query[0].transpose(0, 1).contiguous()
     k = key[0].transpose(0, 1).index_select(0, seg.kv_index)
     v = value[0].transpose(0, 1).index_select(0, seg.kv_index)
-    out = _FlashVarlen.apply(q, k, v, seg.cu_seq_q, seg.cu_seq_k, seg.max_q, seg.max_k, scaling)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out, _ = varlen_attention(q, k, v, seg.cu_seq_q, seg.cu_seq_k, seg.max_q, seg.max_k, scale)
     return out[None]
 
 
