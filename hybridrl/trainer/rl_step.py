@@ -37,7 +37,8 @@ def rl_step(t: "TrainerEngine", prompts: list["PromptExample"]) -> dict[str, Any
     texts = _DETOKENIZER.submit(t.rollout.detokenize, samples) if scorer is None else None
     if t.ref_offload is not None:
         t.ref_offload.prefetch()  # the reference's weights travel while the batch is built
-    batch = make_batch(t, samples).to(t.device)
+    with timer.phase("batch"):  # host-side layout of the responses, and its copy to the device
+        batch = make_batch(t, samples).to(t.device)
     with timer.phase("ref"):
         ref_work = compute_reference_logprobs(t, batch)
     with timer.phase("reward_exposed"):  # scoring not hidden behind generation or the reference pass
@@ -54,18 +55,19 @@ def rl_step(t: "TrainerEngine", prompts: list["PromptExample"]) -> dict[str, Any
     with timer.phase("train"):
         train_metrics, skipped = update_models(t, batch)
     # The rollout engine reads the actor's parameters in place: the next generate sees the update.
-    return {
-        **reward_metrics,
-        **diff_metrics,
-        **adv_metrics,
-        **train_metrics,
-        **rollout_metrics(batch, samples, cfg.rollout.max_tokens),
-        **rollout_engine_metrics(t.rollout.pop_stats()),
-        **mfu_metrics(t, ref_work),
-        "train/skipped_updates": skipped,
-        "_num_response_tokens": batch.num_response_tokens,
-        "_num_tokens": int(batch.attention_mask.sum()),
-    }
+    with timer.phase("metrics"):
+        return {
+            **reward_metrics,
+            **diff_metrics,
+            **adv_metrics,
+            **train_metrics,
+            **rollout_metrics(batch, samples, cfg.rollout.max_tokens),
+            **rollout_engine_metrics(t.rollout.pop_stats()),
+            **mfu_metrics(t, ref_work),
+            "train/skipped_updates": skipped,
+            "_num_response_tokens": batch.num_response_tokens,
+            "_num_tokens": int(batch.attention_mask.sum()),
+        }
 
 
 def generate_responses(t: "TrainerEngine", prompts: list["PromptExample"]):
