@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from hybridrl.rollout import RolloutEngine
@@ -103,3 +104,17 @@ def test_engine_stats_sum_over_calls_and_pop_resets(tiny_model_path):
     stats = e.pop_stats()
     assert {"generate_s", "postprocess_s", "sleep_s"} <= set(stats) and stats["generate_s"] > 0
     assert e.pop_stats() == {}
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_decode_batch_gives_the_tokenizers_own_texts(tiny_model_path, clean_up):
+    from hybridrl.rollout.engine import decode_batch
+
+    tok = engine(tiny_model_path).tokenizer
+    tok.clean_up_tokenization_spaces = clean_up  # True: the Python path (transformers' own clean-up)
+    g = torch.Generator().manual_seed(0)
+    specials = [i for i in (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) if i is not None]
+    ids = [torch.randint(0, len(tok), (n,), generator=g).tolist() + specials for n in (0, 1, 7, 40)]
+    for skip in (False, True):
+        assert decode_batch(tok, ids, skip_special_tokens=skip) == tok.batch_decode(ids, skip_special_tokens=skip)
+    assert decode_batch(tok, []) == []
