@@ -14,9 +14,11 @@ Both systems run GRPO with a KL of 0.04 to a reference model, lr 1e-6, temperatu
 optimizer step per 256 responses (TRL: per_device_train_batch_size=16, gradient_accumulation_steps=16),
 on a random-init Qwen2 model of the workload's shape (seed 42, saved in bf16) and a local WordLevel
 tokenizer of 151,936 tokens, with the same reward function. hybridrl uses its native rollout engine
-and, on a GPU, compiled decoder layers, a 32k-token budget for the reference pass and the compensated
-bf16 optimizer (`train.master_weights: compensated`); TRL its defaults: transformers `generate`, fp32
-weights and AdamW state under bf16 autocast, gradient checkpointing (on for hybridrl too). A random model rarely emits EOS, so responses
+and, on a GPU, compiled decoder layers (four per graph), a 12k-token budget per training
+micro-batch (TRL's micro-batch: 16 responses of 768 tokens), a 32k-token budget for the reference
+pass and the compensated bf16 optimizer (`train.master_weights: compensated`); TRL its defaults:
+transformers `generate`, fp32 weights and AdamW state under bf16 autocast, gradient checkpointing
+(on for hybridrl too). A random model rarely emits EOS, so responses
 run to the limit. On a GPU each system runs in its own subprocess, so each peak-memory figure is its
 own. Step time is the mean over the steps after the first. TRL is optional: without it only the
 hybridrl half runs.
@@ -50,7 +52,9 @@ class Workload:
     n: int = 8
     max_tokens: int = 512
     grad_accum: int = 16  # TRL: micro-batches per optimizer step (per_device_train_batch_size = responses / this)
-    max_tokens_per_micro_batch: int = 16384  # hybridrl's token budget per forward/backward
+    # hybridrl's token budget per forward/backward: TRL's micro-batch, 16 responses x (256 + 512) tokens
+    max_tokens_per_micro_batch: int = 12288
+    max_tokens_per_forward: int = 32768  # hybridrl's budget of the no-grad reference pass
     lr: float = 1e-6
     beta: float = 0.04  # KL coefficient
 
@@ -61,7 +65,8 @@ class Workload:
 
 def workload(size: str) -> Workload:
     if size == "tiny":
-        return Workload("tiny", prompts=4, prompt_len=16, n=2, max_tokens=16, grad_accum=2, max_tokens_per_micro_batch=64)
+        return Workload("tiny", prompts=4, prompt_len=16, n=2, max_tokens=16, grad_accum=2, max_tokens_per_micro_batch=64,
+                        max_tokens_per_forward=128)
     return Workload(size)
 
 
@@ -182,7 +187,8 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
     t.packing, t.offload_reference = "on", device == "cuda"
     if device == "cuda":  # the settings a GPU user should run with (README, "Training speed and memory")
         t.compile = True  # decoder layers of the policy and the reference
-        t.max_tokens_per_forward = 2 * w.max_tokens_per_micro_batch  # the no-grad reference pass
+        t.compile_layers_per_graph = 4  # four layers (and their checkpointing) per compiled graph
+        t.max_tokens_per_forward = w.max_tokens_per_forward
         t.master_weights = "compensated"  # bf16 weights + bf16 Kahan compensation, bf16 AdamW moments
     cfg.trainer.output_dir, cfg.trainer.save_every, cfg.trainer.progress, cfg.trainer.resume = str(work_dir / "run"), 0, False, "off"
     cfg = apply_overrides(cfg, overrides)  # --set / --variant, checked as `hybridrl train` checks them
