@@ -93,7 +93,7 @@ def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, ctx_ptr, out_ptr, scale_log2, pre_ptr, pacc_ptr, pml_ptr, NSPLIT,
     MAX_CTX: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-    IEEE: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    IEEE: tl.constexpr, HAS_PREFIX: tl.constexpr, PREFIX_TILE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -111,7 +111,7 @@ def _paged_decode_kernel(
         # The row's first `pre` tokens were attended by _shared_prefix_kernel in nsplit chunks
         # (counted as it counts them): merge their partial states, then go on over the row's own tokens.
         pre = tl.load(pre_ptr + row).to(tl.int64)
-        nsplit = tl.minimum((pre + TILE - 1) // TILE, NSPLIT)  # 0 for a row without a group
+        nsplit = tl.minimum((pre + PREFIX_TILE - 1) // PREFIX_TILE, NSPLIT)  # 0 for a row without a group
         head = row * HQ + kvh * GROUP + g
         for split in range(0, NSPLIT):
             has = g_mask & ((g * 0 + split) < nsplit)  # a block, not a scalar, for the CPU interpreter
@@ -232,6 +232,7 @@ def paged_decode_attention(
     num_stages: int = 2,
     split_tokens: int = 0,  # > 0: flash-decoding over splits of this many tokens (a multiple of tile)
     prefix=None,  # a SharedPrefix (shared_prefix.py): cascade attention over each group's shared prompt
+    prefix_tile: int = 32,  # the shared-prefix kernel's tile (at most `tile`): smaller tiles, more chunks
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
@@ -249,25 +250,29 @@ def paged_decode_attention(
     if num_splits == 1:
         if prefix is not None:
             assert q.is_contiguous(), "the shared-prefix state is indexed by row * heads"
-            max_tiles = triton.cdiv(max_ctx, tile)
+            # A 256-token prompt is two 128-token tiles: the prefix kernel's own, smaller tile lets
+            # its chunks (one program each) outnumber the SMs.
+            ptile = min(prefix_tile, tile)
+            max_tiles = triton.cdiv(max_ctx, ptile)
             splits = min(prefix.splits(batch), max_tiles)  # fixed for a captured graph's batch
             assert batch * splits <= prefix.capacity, "SharedPrefix's state buffers are sized for fewer splits"
             # Every running row lies in [0, batch): at most batch // 2 group entries (>= 2 rows each) are in use.
             entries = min(prefix.group_rows.shape[0], max(1, batch // 2))
             members = prefix.group_rows.shape[1]
             group_p = max(triton.next_power_of_2(group), triton.cdiv(16, members))  # >= 16 rows for tl.dot
-            span = triton.cdiv(max_tiles, splits) * tile  # the longest chunk, for the interpreter's loop
+            span = triton.cdiv(max_tiles, splits) * ptile  # the longest chunk, for the interpreter's loop
             _shared_prefix_kernel[(entries, num_kv_heads, splits)](
                 q, k_cache, v_cache, block_tables, block_tables.stride(0), prefix.group_rows, prefix.group_prefix,
                 prefix.acc, prefix.ml, scale_log2, splits, SPAN=0 if dynamic else span, DYNAMIC_LOOP=dynamic,
                 HQ=num_heads, HKV=num_kv_heads, GROUP=group, GROUP_P=group_p, MEMBERS=members, D=head_dim,
-                BS=block_size, TILE=tile, IEEE=consts["IEEE"], num_warps=num_warps, num_stages=num_stages,
+                BS=block_size, TILE=ptile, IEEE=consts["IEEE"], num_warps=num_warps, num_stages=num_stages,
             )  # fmt: skip
             extra = dict(
-                pre_ptr=prefix.row_prefix, pacc_ptr=prefix.acc, pml_ptr=prefix.ml, NSPLIT=splits, HAS_PREFIX=True
+                pre_ptr=prefix.row_prefix, pacc_ptr=prefix.acc, pml_ptr=prefix.ml, NSPLIT=splits, HAS_PREFIX=True,
+                PREFIX_TILE=ptile,
             )
         else:  # unused pointers
-            extra = dict(pre_ptr=context_lens, pacc_ptr=out, pml_ptr=out, NSPLIT=1, HAS_PREFIX=False)
+            extra = dict(pre_ptr=context_lens, pacc_ptr=out, pml_ptr=out, NSPLIT=1, HAS_PREFIX=False, PREFIX_TILE=tile)
         _paged_decode_kernel[(batch, num_kv_heads)](
             q, k_cache, v_cache, block_tables, block_tables.stride(0), context_lens, out, scale_log2,
             MAX_CTX=0 if dynamic else max_ctx, DYNAMIC_LOOP=dynamic, **extra, **consts,
