@@ -64,7 +64,7 @@ def logprob_diff(model, prompts, outs, limit: int) -> tuple[float, float]:
 
 def run_native(model, request, device, args, tile: int, warps: int, split: int, cascade: bool = False) -> dict:
     backend = NativeBackend(model, max_num_seqs=max(args.max_num_seqs, len(request.prompt_ids) * request.n),
-                            shared_prefix_attention=cascade)  # fmt: skip
+                            shared_prefix_attention=cascade, shared_prefix_splits=args.prefix_splits)  # fmt: skip
     if device == "cuda":
         backend.decoder.ops.attention_tile = tile
         backend.decoder.ops.attention_warps = warps
@@ -87,6 +87,8 @@ def run_native(model, request, device, args, tile: int, warps: int, split: int, 
         sync(device)
         times.append(time.perf_counter() - t0)
     figures = {"attn_tile": tile, "attn_warps": warps, "attn_split": split, "shared_prefix": cascade, "cold_s": cold_s, "time_s": min(times), "times_s": times}
+    if cascade:
+        figures["prefix_splits"] = args.prefix_splits  # 0: chosen per batch
     figures["tokens"] = sum(len(o.response_ids) for o in outs)
     figures["tokens_per_s"] = figures["tokens"] / figures["time_s"]
     if device == "cuda":
@@ -170,6 +172,8 @@ def main() -> None:
                     help="attention settings to try, tile:warps:split_tokens, comma-separated (split 0: none)")
     ap.add_argument("--shared-prefix", choices=["off", "on", "both"], default="off",
                     help="cascade attention over each prompt's shared KV blocks (rollout.shared_prefix_attention)")
+    ap.add_argument("--prefix-splits", type=int, default=0,
+                    help="with --shared-prefix: programs per prompt's shared prefix (0: chosen per batch, SharedPrefix.splits)")
     ap.add_argument("--sampler-sweep", action="store_true", help="time the sampling kernel's chunk / warp settings")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of eager decode steps")
     ap.add_argument("--logprob-seqs", type=int, default=16)
@@ -193,7 +197,8 @@ def main() -> None:
         tile, warps, split = map(int, setting.split(":"))
         runs.append(run_native(model, request, device, args, tile, warps, split, cascade))
         r = runs[-1]
-        print(f"[{size}] native attention tile={tile} warps={warps} split={split} shared_prefix={'on' if cascade else 'off'}: "
+        shared = f"on, splits {args.prefix_splits or 'auto'}" if cascade else "off"
+        print(f"[{size}] native attention tile={tile} warps={warps} split={split} shared_prefix={shared}: "
               f"{r['tokens_per_s']:,.0f} tokens/s (runs {['%.3f' % t for t in r['times_s']]} s), "
               f"logprob diff mean {r['logprob_diff_mean']:.4e}")
     native = max(runs, key=lambda r: r["tokens_per_s"])

@@ -303,7 +303,7 @@ def test_shared_prefix_tables_group_rows_by_their_shared_prompt_blocks():
     c = PromptGroup(2, [1] * 9, 8, 3, shared_blocks=[])  # shorter than a block: nothing to share
     running = {0: RunningSequence(a, 0, 0), 4: RunningSequence(a, 2, 4), 2: RunningSequence(a, 1, 2),
                1: RunningSequence(b, 0, 1), 3: RunningSequence(c, 0, 3), 5: RunningSequence(c, 1, 5)}  # fmt: skip
-    prefix = SharedPrefix(8, 3, num_heads=4, head_dim=16, device=torch.device("cpu"))
+    prefix = SharedPrefix(8, 3, num_heads=4, num_kv_heads=2, head_dim=16, device=torch.device("cpu"))
     assert prefix.members == 4
     assert prefix.update(running, block_size=16) == 1
     assert prefix.row_prefix.tolist() == [32, 0, 32, 0, 32, 0, 0, 0]
@@ -316,4 +316,17 @@ def test_shared_prefix_tables_group_rows_by_their_shared_prompt_blocks():
     assert prefix.update(running, block_size=16) == 1
     assert prefix.row_prefix.tolist() == [32, 32, 32, 0, 0, 0, 0, 0]
     assert prefix.group_rows[0].tolist() == [0, 1, 2, -1]
-    assert prefix.fits(8, 4, 4, 16) and not prefix.fits(8, 5, 4, 16)
+    assert prefix.fits(8, 4, 4, 2, 16) and not prefix.fits(8, 5, 4, 2, 16) and not prefix.fits(8, 4, 4, 2, 16, splits=2)
+
+
+def test_shared_prefix_splits_fill_the_gpu():
+    """The prefix is split into enough chunks per group for two programs per SM (132 off a GPU),
+    a group counted per n rows, at most MAX_SPLITS; the state buffers hold every batch's (row, chunk)."""
+    from hybridrl.rollout.native.shared_prefix import MAX_SPLITS, SharedPrefix
+
+    prefix = SharedPrefix(512, 8, num_heads=14, num_kv_heads=2, head_dim=64, device=torch.device("cpu"))
+    assert [prefix.splits(b) for b in (256, 512, 128, 8)] == [5, 3, 9, MAX_SPLITS]  # 32 x 2 x 5 = 320 >= 264
+    assert prefix.capacity == max(b * prefix.splits(b) for b in range(1, 513)) == 1536
+    assert prefix.acc.shape == (1536 * 14, 64) and prefix.ml.shape == (1536 * 14, 2)
+    fixed = SharedPrefix(512, 8, num_heads=14, num_kv_heads=2, head_dim=64, device=torch.device("cpu"), splits=2)
+    assert fixed.splits(8) == fixed.splits(512) == 2 and fixed.capacity == 1024

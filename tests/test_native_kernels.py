@@ -84,23 +84,27 @@ def test_paged_decode_attention(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tile", [16, 64])
-def test_shared_prefix_attention_equals_per_row_attention(dtype, tile):
-    """Cascade attention (rows of a group read their shared prompt blocks together, then their own)
-    gives each row what attending to its whole context alone gives."""
+@pytest.mark.parametrize("splits", [1, 2, 3, 5, 0])
+def test_shared_prefix_attention_equals_per_row_attention(dtype, tile, splits):
+    """Cascade attention (rows of a group read their shared prompt blocks together, in `splits`
+    chunks of tiles merged afterwards, then their own) gives each row what attending to its whole
+    context alone gives. Prefixes of 80 and 32 tokens: with tile 16, 5 and 2 tiles (splits 2 and 3
+    divide 5 unevenly, 5 is one chunk per tile, and the 2-tile prefix is capped at 2 chunks); with
+    tile 64, 2 and 1 tiles. splits=0: the count SharedPrefix picks for the batch."""
     from hybridrl.rollout.native.scheduler import PromptGroup, RunningSequence
     from hybridrl.rollout.native.shared_prefix import SharedPrefix
 
     g = torch.Generator().manual_seed(3)
-    batch, hq, hkv, d, bs, nb, mb = 8, 14, 2, 64, 16, 48, 6
+    batch, hq, hkv, d, bs, nb, mb = 8, 14, 2, 64, 16, 48, 9
     q = torch.randn(batch, hq, d, generator=g).to(DEVICE, dtype)
     kc = torch.randn(nb, hkv, bs, d, generator=g).to(DEVICE, dtype)
     vc = torch.randn(nb, hkv, bs, d, generator=g).to(DEVICE, dtype)
-    # Rows 0, 2, 3, 5 share blocks 1-3 (48 tokens), rows 1 and 4 share block 4; row 6 is alone;
+    # Rows 0, 2, 3, 5 share blocks 1-5 (80 tokens), rows 1 and 4 share blocks 6-7; row 6 is alone;
     # row 7 is inactive (not running). Every row's own blocks follow its shared ones.
-    groups = {0: (PromptGroup(0, [1] * 50, 8, 4, shared_blocks=[1, 2, 3]), [0, 2, 3, 5]),
-              1: (PromptGroup(1, [1] * 20, 8, 2, shared_blocks=[4]), [1, 4]),
+    groups = {0: (PromptGroup(0, [1] * 85, 8, 4, shared_blocks=[1, 2, 3, 4, 5]), [0, 2, 3, 5]),
+              1: (PromptGroup(1, [1] * 40, 8, 2, shared_blocks=[6, 7]), [1, 4]),
               2: (PromptGroup(2, [1] * 5, 8, 1, shared_blocks=[]), [6])}  # fmt: skip
-    free = iter(range(5, nb))
+    free = iter(range(8, nb))
     table = torch.zeros(batch, mb, dtype=torch.int32)
     running = {}
     for group, rows in groups.values():
@@ -109,10 +113,10 @@ def test_shared_prefix_attention_equals_per_row_attention(dtype, tile):
             table[row] = torch.tensor(blocks, dtype=torch.int32)
             running[row] = RunningSequence(group, j, row)
     bt = table.to(DEVICE)
-    ctx = torch.tensor([49, 17, 60, 95, 30, 48 + 1, 20, 1], device=DEVICE)
-    prefix = SharedPrefix(batch, 4, hq, d, torch.device(DEVICE))
+    ctx = torch.tensor([81, 33, 100, 144, 60, 97, 20, 1], device=DEVICE)
+    prefix = SharedPrefix(batch, 4, hq, hkv, d, torch.device(DEVICE), splits=splits)
     assert prefix.update(running, bs) == 2
-    assert prefix.row_prefix.tolist() == [48, 16, 48, 48, 16, 48, 0, 0]
+    assert prefix.row_prefix.tolist() == [80, 32, 80, 80, 32, 80, 0, 0]
     ref = TorchOps().decode_attention(q, kc, vc, bt, ctx, d**-0.5)
     plain = triton_attention.paged_decode_attention(q, kc, vc, bt, ctx, d**-0.5, tile=tile)
     cascade = triton_attention.paged_decode_attention(q, kc, vc, bt, ctx, d**-0.5, tile=tile, prefix=prefix)
@@ -142,7 +146,8 @@ def test_sampling_matches_reference(temperature):
 
 def test_engine_with_shared_prefix_attention_generates_the_same():
     """The whole engine with the Triton kernels, cascade attention on and off: the same samples
-    (same tokens, log-probs within fp32 rounding) for prompts that share one and two full blocks."""
+    (same tokens, log-probs within fp32 rounding) for prompts that share one and two full blocks.
+    Tiles of 16 tokens, so that the two-block prefix is split over two programs per group."""
     import transformers
 
     from hybridrl.rollout.native import NativeBackend
@@ -159,7 +164,7 @@ def test_engine_with_shared_prefix_attention_generates_the_same():
     outs = {}
     for cascade in (False, True):
         backend = NativeBackend(model, shared_prefix_attention=cascade)
-        backend.decoder.ops = TritonOps()  # on CPU: Triton's interpreter
+        backend.decoder.ops = TritonOps(attention_tile=16)  # on CPU: Triton's interpreter
         outs[cascade] = backend.generate(request)
         assert (backend.decoder.prefix is not None) == cascade
     assert [o.response_ids for o in outs[True]] == [o.response_ids for o in outs[False]]

@@ -52,6 +52,7 @@ class NativeBackend:
         # Cascade attention: the n samples of a prompt read its shared KV blocks once per decode step
         # (shared_prefix.py); CUDA only (the Triton kernels). Off until measured on a GPU.
         shared_prefix_attention: bool = False,
+        shared_prefix_splits: int = 0,  # programs per group's shared prefix; 0: chosen per batch (SharedPrefix.splits)
     ):
         if not 0.0 < kv_cache_fraction < 1.0:
             raise ValueError(f"kv_cache_fraction ({kv_cache_fraction}) must be in (0, 1)")
@@ -79,6 +80,7 @@ class NativeBackend:
             # reads them fused with no copy (fused.py). Optimizers must be built after this.
             fuse_parameters(model.model.layers)
         self.shared_prefix_attention = shared_prefix_attention
+        self.shared_prefix_splits = shared_prefix_splits
         self.cache: PagedKVCache | None = None
         self.state: DecodeState | None = None
         self.stats: dict[str, float] = {}  # where the last generate() spent its time (generate's docstring)
@@ -227,9 +229,10 @@ class NativeBackend:
         if self.shared_prefix_attention and n > 1 and self.decoder.ops.shared_prefix:
             s = self.weights.spec
             prefix = self.decoder.prefix
-            if prefix is None or not prefix.fits(self.max_slots, n, s.num_heads, s.head_dim):
+            shape = (self.max_slots, n, s.num_heads, s.num_kv_heads, s.head_dim)
+            if prefix is None or not prefix.fits(*shape, self.shared_prefix_splits):
                 self.decoder.prefix = None
-                self.decoder.prefix = SharedPrefix(self.max_slots, n, s.num_heads, s.head_dim, self.device)
+                self.decoder.prefix = SharedPrefix(*shape, self.device, self.shared_prefix_splits)
         else:
             self.decoder.prefix = None
         if self.fuse_weights:

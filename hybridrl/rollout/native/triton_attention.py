@@ -4,7 +4,8 @@ One program per (sequence, KV head) serves the whole group of query heads that s
 (GQA), so each K/V tile is read once per group; the tile gathers TILE tokens through the block
 table and runs an online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022).
 With a `SharedPrefix` (cascade attention), the n samples of a prompt read their shared prompt
-blocks once per group in _shared_prefix_kernel, and each row then continues over its own tokens.
+blocks once per group in _shared_prefix_kernel, split over several programs per group, and each row
+then merges their partial states and continues over its own tokens.
 """
 
 from __future__ import annotations
@@ -74,11 +75,25 @@ def _attend_range(
 
 
 @triton.jit
+def _merge_partial(m_i, l_i, acc, pacc_ptr, pml_ptr, part, mask, D: tl.constexpr):
+    """Adds the unnormalised softmax state of another span of keys (index `part` of the partial
+    state buffers; masked: none) to (m_i, l_i, acc): the log-sum-exp merge, in log2 units."""
+    d = tl.arange(0, D)
+    m_p = tl.load(pml_ptr + part * 2, mask=mask, other=float("-inf"))
+    l_p = tl.load(pml_ptr + part * 2 + 1, mask=mask, other=0.0)
+    acc_p = tl.load(pacc_ptr + part[:, None] * D + d[None, :], mask=mask[:, None], other=0.0)
+    m_new = tl.maximum(m_i, m_p)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # neither state has a key yet
+    alpha, beta = tl.exp2(m_i - m_use), tl.exp2(m_p - m_use)
+    return m_new, l_i * alpha + l_p * beta, acc * alpha[:, None] + acc_p * beta[:, None]
+
+
+@triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, ctx_ptr, out_ptr, scale_log2, pre_ptr, pacc_ptr, pml_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, ctx_ptr, out_ptr, scale_log2, pre_ptr, pacc_ptr, pml_ptr, NSPLIT,
     MAX_CTX: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-    IEEE: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    IEEE: tl.constexpr, HAS_PREFIX: tl.constexpr, PREFIX_TILE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -89,20 +104,20 @@ def _paged_decode_kernel(
     q_off = (row * HQ + kvh * GROUP + g)[:, None] * D + d[None, :]
     q = tl.load(q_ptr + q_off, mask=g_mask[:, None], other=0.0)  # [GP, D]
 
+    m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, D], tl.float32)
     if HAS_PREFIX:
-        # The row's first `pre` tokens were attended by _shared_prefix_kernel: continue its online
-        # softmax from the state it left (log2 units, unnormalised), over the row's own tokens.
+        # The row's first `pre` tokens were attended by _shared_prefix_kernel in nsplit chunks
+        # (counted as it counts them): merge their partial states, then go on over the row's own tokens.
         pre = tl.load(pre_ptr + row).to(tl.int64)
-        has = g_mask & ((g * 0 + pre) > 0)  # a block, not a scalar, for the CPU interpreter
+        nsplit = tl.minimum((pre + PREFIX_TILE - 1) // PREFIX_TILE, NSPLIT)  # 0 for a row without a group
         head = row * HQ + kvh * GROUP + g
-        m_i = tl.load(pml_ptr + head * 2, mask=has, other=float("-inf"))
-        l_i = tl.load(pml_ptr + head * 2 + 1, mask=has, other=0.0)
-        acc = tl.load(pacc_ptr + head[:, None] * D + d[None, :], mask=has[:, None], other=0.0)
+        for split in range(0, NSPLIT):
+            has = g_mask & ((g * 0 + split) < nsplit)  # a block, not a scalar, for the CPU interpreter
+            m_i, l_i, acc = _merge_partial(m_i, l_i, acc, pacc_ptr, pml_ptr, head * NSPLIT + split, has, D)
     else:
         pre = 0
-        m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_P], tl.float32)
-        acc = tl.zeros([GROUP_P, D], tl.float32)
     m_i, l_i, acc = _attend_range(
         q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, pre, ctx, m_i, l_i, acc, scale_log2,
         MAX_CTX, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE,
@@ -113,20 +128,28 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _shared_prefix_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, grows_ptr, gpre_ptr, pacc_ptr, pml_ptr, scale_log2,
-    MAX_PRE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, bt_stride, grows_ptr, gpre_ptr, pacc_ptr, pml_ptr, scale_log2, NSPLIT,
+    SPAN: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, MEMBERS: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """Cascade attention over a shared prompt (Juravsky et al. 2024, "Hydragen"; FlashInfer's
-    cascade): program (group, KV head) attends the query heads of every member row of the group
-    to the group's shared prefix together, so each prefix K/V tile is read once per group instead
-    of once per row, and leaves each row's unnormalised softmax state for _paged_decode_kernel."""
+    cascade): program (group, KV head, split) attends the query heads of every member row of the
+    group to one chunk of the group's shared prefix together, so each prefix K/V tile is read once
+    per group instead of once per row. One program per (group, KV head) walking the whole prefix
+    left most SMs idle (NOTES.md), so the prefix's tiles are cut into up to NSPLIT contiguous
+    chunks, one per program; each leaves its rows' unnormalised partial softmax state, which
+    _paged_decode_kernel merges."""
     grp = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     pre = tl.load(gpre_ptr + grp)
-    if pre == 0:
+    tiles = (pre + TILE - 1) // TILE
+    nsplit = tl.minimum(tiles, NSPLIT)  # never more chunks than tiles: no chunk is empty
+    if split >= nsplit:  # also every program of an unused entry (pre == 0)
         return
+    lo = split * tiles // nsplit * TILE  # chunk sizes differ by at most one tile
+    hi = tl.minimum(pre, (split + 1) * tiles // nsplit * TILE)
     i = tl.arange(0, MEMBERS * GROUP_P)
     member, j = i // GROUP_P, i % GROUP_P
     rows = tl.load(grows_ptr + grp * MEMBERS + member).to(tl.int64)  # -1: no member in that place
@@ -140,12 +163,13 @@ def _shared_prefix_kernel(
     l_i = tl.zeros([MEMBERS * GROUP_P], tl.float32)
     acc = tl.zeros([MEMBERS * GROUP_P, D], tl.float32)
     m_i, l_i, acc = _attend_range(
-        q, k_ptr, v_ptr, bt_ptr, bt_stride, first, kvh, 0, pre, m_i, l_i, acc, scale_log2,
-        MAX_PRE, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE,
+        q, k_ptr, v_ptr, bt_ptr, bt_stride, first, kvh, lo, hi, m_i, l_i, acc, scale_log2,
+        SPAN, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE,
     )  # fmt: skip
-    tl.store(pacc_ptr + head[:, None] * D + d[None, :], acc, mask=valid[:, None])
-    tl.store(pml_ptr + head * 2, m_i, mask=valid)
-    tl.store(pml_ptr + head * 2 + 1, l_i, mask=valid)
+    part = head * NSPLIT + split
+    tl.store(pacc_ptr + part[:, None] * D + d[None, :], acc, mask=valid[:, None])
+    tl.store(pml_ptr + part * 2, m_i, mask=valid)
+    tl.store(pml_ptr + part * 2 + 1, l_i, mask=valid)
 
 
 @triton.jit
@@ -208,6 +232,7 @@ def paged_decode_attention(
     num_stages: int = 2,
     split_tokens: int = 0,  # > 0: flash-decoding over splits of this many tokens (a multiple of tile)
     prefix=None,  # a SharedPrefix (shared_prefix.py): cascade attention over each group's shared prompt
+    prefix_tile: int = 32,  # the shared-prefix kernel's tile (at most `tile`): smaller tiles, more chunks
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
@@ -225,17 +250,29 @@ def paged_decode_attention(
     if num_splits == 1:
         if prefix is not None:
             assert q.is_contiguous(), "the shared-prefix state is indexed by row * heads"
+            # A 256-token prompt is two 128-token tiles: the prefix kernel's own, smaller tile lets
+            # its chunks (one program each) outnumber the SMs.
+            ptile = min(prefix_tile, tile)
+            max_tiles = triton.cdiv(max_ctx, ptile)
+            splits = min(prefix.splits(batch), max_tiles)  # fixed for a captured graph's batch
+            assert batch * splits <= prefix.capacity, "SharedPrefix's state buffers are sized for fewer splits"
+            # Every running row lies in [0, batch): at most batch // 2 group entries (>= 2 rows each) are in use.
+            entries = min(prefix.group_rows.shape[0], max(1, batch // 2))
             members = prefix.group_rows.shape[1]
             group_p = max(triton.next_power_of_2(group), triton.cdiv(16, members))  # >= 16 rows for tl.dot
-            _shared_prefix_kernel[(prefix.group_rows.shape[0], num_kv_heads)](
+            span = triton.cdiv(max_tiles, splits) * ptile  # the longest chunk, for the interpreter's loop
+            _shared_prefix_kernel[(entries, num_kv_heads, splits)](
                 q, k_cache, v_cache, block_tables, block_tables.stride(0), prefix.group_rows, prefix.group_prefix,
-                prefix.acc, prefix.ml, scale_log2, MAX_PRE=0 if dynamic else max_ctx, DYNAMIC_LOOP=dynamic,
+                prefix.acc, prefix.ml, scale_log2, splits, SPAN=0 if dynamic else span, DYNAMIC_LOOP=dynamic,
                 HQ=num_heads, HKV=num_kv_heads, GROUP=group, GROUP_P=group_p, MEMBERS=members, D=head_dim,
-                BS=block_size, TILE=tile, IEEE=consts["IEEE"], num_warps=num_warps, num_stages=num_stages,
+                BS=block_size, TILE=ptile, IEEE=consts["IEEE"], num_warps=num_warps, num_stages=num_stages,
             )  # fmt: skip
-            extra = dict(pre_ptr=prefix.row_prefix, pacc_ptr=prefix.acc, pml_ptr=prefix.ml, HAS_PREFIX=True)
-        else:
-            extra = dict(pre_ptr=context_lens, pacc_ptr=out, pml_ptr=out, HAS_PREFIX=False)  # unused pointers
+            extra = dict(
+                pre_ptr=prefix.row_prefix, pacc_ptr=prefix.acc, pml_ptr=prefix.ml, NSPLIT=splits, HAS_PREFIX=True,
+                PREFIX_TILE=ptile,
+            )
+        else:  # unused pointers
+            extra = dict(pre_ptr=context_lens, pacc_ptr=out, pml_ptr=out, NSPLIT=1, HAS_PREFIX=False, PREFIX_TILE=tile)
         _paged_decode_kernel[(batch, num_kv_heads)](
             q, k_cache, v_cache, block_tables, block_tables.stride(0), context_lens, out, scale_log2,
             MAX_CTX=0 if dynamic else max_ctx, DYNAMIC_LOOP=dynamic, **extra, **consts,
