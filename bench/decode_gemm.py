@@ -1,6 +1,6 @@
 """The decode step's matrix products at their real shapes: cuBLAS against inductor's autotuned kernels.
 
-    python bench/decode_gemm.py [--size 0.5B] [--rows 256]
+    python bench/decode_gemm.py [--size 0.5B] [--rows 256] [--no-autotune] [--split-k 2,4,8]
 
 One decode step of the native engine multiplies `rows` activations by each layer's fused q|k|v,
 o_proj, fused gate|up and down_proj weights, then by the lm_head. Each shape is timed as in the
@@ -45,11 +45,23 @@ def time_graph(fn, reps: int = 20) -> float:
     return best
 
 
+def split_k_linear(x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
+    """x @ w.T as k products over K-chunks in one strided-batched call (fp32 outputs), summed in fp32:
+    k times as many output tiles for a product whose N x M alone leaves most SMs idle."""
+    M, K = x.shape
+    N = w.shape[0]
+    xs = x.view(M, k, K // k).transpose(0, 1)  # [k, M, K/k]
+    ws = w.view(N, k, K // k).permute(1, 2, 0)  # [k, K/k, N]
+    return torch.bmm(xs, ws, out_dtype=torch.float32).sum(0)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=list(SHAPES), default="0.5B")
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--no-autotune", action="store_true", help="cuBLAS only")
+    ap.add_argument("--split-k", default="", help="also time split-K products (comma-separated split counts): one "
+                    "strided-batched cuBLAS product with fp32 outputs over K-chunks, then their sum")
     args = ap.parse_args(argv)
     H, I, nh, nkv, hd, L, V = SHAPES[args.size]
     M = args.rows
@@ -60,8 +72,10 @@ def main(argv=None):
     if not args.no_autotune:
         tuned = torch.compile(lambda x, w: F.linear(x, w), mode="max-autotune-no-cudagraphs", dynamic=False)
     print(f"[{args.size}] rows {M}: microseconds per product (each layer's own weight, in one CUDA graph)")
-    print("| product | N x K | cuBLAS us | autotuned us | memory floor us |")
-    print("| --- | --- | --- | --- | --- |")
+    splits = [int(k) for k in args.split_k.split(",") if k]
+    split_cols = "".join(f" split-K {k} us |" for k in splits)
+    print(f"| product | N x K | cuBLAS us | autotuned us |{split_cols} memory floor us |")
+    print("| --- | --- | --- | --- |" + " --- |" * len(splits) + " --- |")
     total = [0.0, 0.0, 0.0]
     for name, (N, K, copies) in shapes.items():
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
@@ -80,11 +94,22 @@ def main(argv=None):
             for w in ws[:1]:
                 tuned(x, w)  # autotune once per shape
             auto = time_graph(run(tuned)) * 1e3 / copies
+        split_us = []
+        for k in splits:
+            if K % k:
+                split_us.append(None)
+                continue
+            try:
+                split_us.append(time_graph(run(lambda x, w, k=k: split_k_linear(x, w, k))) * 1e3 / copies)
+            except RuntimeError as e:  # e.g. a torch without bmm's out_dtype
+                print(f"split-K {k} on {name}: {e}".splitlines()[0])
+                split_us.append(None)
         floor = N * K * 2 / HBM_BYTES_PER_S * 1e6
         total[0] += cublas * copies
         total[1] += (auto if auto is not None else cublas) * copies
         total[2] += floor * copies
-        print(f"| {name} | {N} x {K} | {cublas:.2f} | {'-' if auto is None else f'{auto:.2f}'} | {floor:.2f} |")
+        split_txt = "".join(f" {'-' if u is None else f'{u:.2f}'} |" for u in split_us)
+        print(f"| {name} | {N} x {K} | {cublas:.2f} | {'-' if auto is None else f'{auto:.2f}'} |{split_txt} {floor:.2f} |")
         del ws
     print(f"| per decode step | | {total[0]:.1f} | {total[1]:.1f} | {total[2]:.1f} |")
 
