@@ -124,7 +124,9 @@ def run_hf(model, request, device, max_tokens: int) -> dict:
 
 
 def sweep_sampler(vocab: int, rows: int) -> None:
-    """Median time of the fused sampler for each chunk size / warp count."""
+    """Median time of the fused sampler for each chunk size / warp count. With temperature, a chunk
+    other than sampling.SAMPLE_CHUNK draws other tokens (from the same distribution): only the
+    time is compared here."""
     import triton
 
     from hybridrl.rollout.native import triton_sampling
@@ -133,14 +135,14 @@ def sweep_sampler(vocab: int, rows: int) -> None:
     logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16)
     keys = torch.arange(rows, device="cuda")
     steps = torch.full((rows,), 7, device="cuda")
-    saved = triton_sampling.CHUNK, triton_sampling.NUM_WARPS
     for greedy in (False, True):
         params = SamplingParams(temperature=0.0 if greedy else 1.0)
         for chunk, warps in ((1024, 4), (2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16)):
-            triton_sampling.CHUNK, triton_sampling.NUM_WARPS = chunk, warps
-            ms = triton.testing.do_bench(lambda: triton_sampling.sample(logits, keys, steps, params), return_mode="median")
+            ms = triton.testing.do_bench(
+                lambda: triton_sampling.sample(logits, keys, steps, params, chunk=chunk, num_warps=warps),
+                return_mode="median",
+            )  # fmt: skip
             print(f"sampler greedy={greedy} chunk={chunk} warps={warps}: {1000 * ms:.1f} us")
-    triton_sampling.CHUNK, triton_sampling.NUM_WARPS = saved
 
 
 def profile_decode(model, request, max_num_seqs: int) -> None:

@@ -330,3 +330,73 @@ def test_shared_prefix_splits_fill_the_gpu():
     assert prefix.acc.shape == (1536 * 14, 64) and prefix.ml.shape == (1536 * 14, 2)
     fixed = SharedPrefix(512, 8, num_heads=14, num_kv_heads=2, head_dim=64, device=torch.device("cpu"), splits=2)
     assert fixed.splits(8) == fixed.splits(512) == 2 and fixed.capacity == 1024
+
+
+def _chi2_bound(dof: int, z: float = 4.753) -> float:
+    """Upper 1e-6 quantile of chi-square(dof) (Wilson-Hilferty; z: the normal's 1e-6 quantile)."""
+    return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+def test_two_level_sampler_draws_from_the_softmax():
+    """The two-level draw (a chunk by Gumbel-max over the chunks' log-masses, then a token of it)
+    has the distribution softmax(logits / T): 20k draws (varying step and key) of a 50-token
+    vocabulary in 7 chunks of 8 (the last one partial) pass a chi-square test, which the same
+    draw with a uniform chunk choice fails by far."""
+    from hybridrl.rollout.native.sampling import SamplingParams, sample
+
+    vocab, chunk, temperature, draws = 50, 8, 0.8, 20_000
+    g = torch.Generator().manual_seed(11)
+    # Chunks of very different masses, tokens of different weights within each chunk.
+    offsets = torch.tensor([-1.0, 0.5, 2.0, -2.0, 0.0, 1.0, 1.5]).repeat_interleave(chunk)[:vocab]
+    logits = torch.randn(vocab, generator=g) * 1.2 + offsets
+    p = torch.softmax(logits / temperature, dim=-1).double()
+    keys = torch.tensor([7, 0xDEADBEEF, 12345, 0xFFFFFFFF]).repeat_interleave(draws // 4)
+    steps = torch.arange(draws // 4).repeat(4)
+    params = SamplingParams(temperature=temperature)
+
+    def chi2(rows_logits: torch.Tensor):
+        tokens, logprobs = sample(rows_logits.expand(draws, vocab), keys, steps, params, chunk=chunk)
+        counts = torch.bincount(tokens, minlength=vocab).double()
+        return float(((counts - draws * p) ** 2 / (draws * p)).sum()), tokens, logprobs
+
+    stat, tokens, logprobs = chi2(logits)
+    assert stat < _chi2_bound(vocab - 1), stat
+    torch.testing.assert_close(logprobs, torch.log(p).float()[tokens], atol=1e-5, rtol=0)
+    # The chunk marginal alone, with its 6 degrees of freedom.
+    chunk_of = torch.arange(vocab) // chunk
+    chunk_p = torch.zeros(7, dtype=torch.float64).index_add_(0, chunk_of, p)
+    chunk_counts = torch.bincount(chunk_of[tokens], minlength=7).double()
+    assert float(((chunk_counts - draws * chunk_p) ** 2 / (draws * chunk_p)).sum()) < _chi2_bound(6)
+
+    # A wrong sampler: every chunk given the same log-mass (a uniform chunk choice), the same
+    # tokens within a chunk. Its draws are measured against the softmax all the same.
+    scaled = logits / temperature
+    log_mass = torch.stack([scaled[chunk_of == c].logsumexp(0) for c in range(7)])
+    uniform_chunks = (scaled - log_mass[chunk_of]) * temperature
+    wrong, _, _ = chi2(uniform_chunks)
+    assert wrong > 20 * _chi2_bound(vocab - 1), wrong
+
+
+def test_sampled_token_is_a_function_of_seed_step_and_logits_only():
+    """Same (key, step, logits) -> same token and log-prob, whichever rows share the batch, in
+    which order; another step or key -> another draw (for at least some rows)."""
+    from hybridrl.rollout.native.sampling import SamplingParams, sample
+
+    g = torch.Generator().manual_seed(2)
+    batch, vocab = 9, 5000
+    logits = torch.randn(batch, vocab, generator=g) * 2
+    keys = torch.randint(0, 2**32, (batch,), generator=g)
+    steps = torch.randint(0, 1000, (batch,), generator=g)
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.6)):
+        tok, lp = sample(logits, keys, steps, params)
+        for row in range(batch):
+            others = torch.randn(4, vocab, generator=g)
+            mixed_logits = torch.cat([others[:2], logits[row : row + 1], others[2:]])
+            mixed_keys = torch.cat([keys[row : row + 1].repeat(2) + 1, keys[row : row + 1], keys[:2]])
+            mixed_steps = torch.cat([steps[:2], steps[row : row + 1], steps[row : row + 1].repeat(2)])
+            t, l = sample(mixed_logits, mixed_keys, mixed_steps, params)
+            assert t[2] == tok[row] and l[2] == lp[row]
+            alone, _ = sample(logits[row : row + 1], keys[row : row + 1], steps[row : row + 1], params)
+            assert alone.item() == tok[row].item()
+        assert not torch.equal(sample(logits, keys, steps + 1, params)[0], tok)
+        assert not torch.equal(sample(logits, keys ^ 1, steps, params)[0], tok)

@@ -22,7 +22,7 @@ else:
 
 from hybridrl.rollout.native import triton_attention, triton_kernels, triton_sampling  # noqa: E402
 from hybridrl.rollout.native.ops_torch import TorchOps  # noqa: E402
-from hybridrl.rollout.native.sampling import SamplingParams, sample  # noqa: E402
+from hybridrl.rollout.native.sampling import SAMPLE_CHUNK, SamplingParams, sample  # noqa: E402
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
@@ -142,6 +142,54 @@ def test_sampling_matches_reference(temperature):
     tok, lp = triton_sampling.sample(logits, keys, steps, params)
     assert torch.equal(tok, ref_tok)
     torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.5, 1.0, 1.7])
+@pytest.mark.parametrize(
+    "batch,vocab,chunk",
+    [(1, 1000, SAMPLE_CHUNK), (5, 9000, SAMPLE_CHUNK), (13, 30001, SAMPLE_CHUNK), (7, 3000, 256), (3, 1500, 64)],
+)
+def test_two_level_sampling_matches_reference(temperature, batch, vocab, chunk):
+    """The kernel's two-level draw (a chunk by its log-mass, then a token of it) picks the tokens
+    sampling.sample picks, for vocabularies that are not a multiple of the chunk and chunk counts
+    that are not a power of 2; log-probs are log_softmax over the whole vocabulary."""
+    g = torch.Generator().manual_seed(batch * vocab + chunk)
+    logits = (torch.randn(batch, vocab, generator=g) * 3).to(DEVICE)
+    keys = torch.randint(0, 2**32, (batch,), generator=g).to(DEVICE)
+    steps = torch.randint(0, 2**31, (batch,), generator=g).to(DEVICE)
+    params = SamplingParams(temperature=temperature)
+    ref_tok, ref_lp = sample(logits, keys, steps, params, chunk=chunk)
+    tok, lp = triton_sampling.sample(logits, keys, steps, params, chunk=chunk)
+    assert torch.equal(tok, ref_tok)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=1e-4)
+    exact = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1).gather(-1, tok[:, None])[:, 0]
+    torch.testing.assert_close(lp, exact, atol=1e-4, rtol=1e-4)
+
+
+def test_two_level_sampling_skips_chunks_without_mass_and_ignores_the_batch():
+    """Chunks of -inf logits only are never drawn (no NaN); a row's token depends on its own key,
+    step and logits, not on the other rows of the batch or their order."""
+    g = torch.Generator().manual_seed(5)
+    batch, vocab, chunk = 8, 1100, 128
+    logits = torch.randn(batch, vocab, generator=g) * 2
+    logits[:, 128:512] = float("-inf")  # chunks 1-3
+    logits[:, 1024:] = float("-inf")  # the last, partial chunk
+    logits = logits.to(DEVICE)
+    keys = torch.randint(0, 2**32, (batch,), generator=g).to(DEVICE)
+    params = SamplingParams(temperature=1.0)
+    for step in range(4):
+        steps = torch.full((batch,), step, device=DEVICE)
+        tok, lp = triton_sampling.sample(logits, keys, steps, params, chunk=chunk)
+        ref_tok, ref_lp = sample(logits, keys, steps, params, chunk=chunk)
+        assert torch.equal(tok, ref_tok)
+        assert not ((tok >= 128) & (tok < 512)).any() and not (tok >= 1024).any()
+        assert torch.isfinite(lp).all()
+        torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=1e-4)
+        perm = torch.randperm(batch, generator=g).to(DEVICE)
+        tok_perm, _ = triton_sampling.sample(logits[perm], keys[perm], steps[perm], params, chunk=chunk)
+        assert torch.equal(tok_perm, tok[perm])
+        tok_one, _ = triton_sampling.sample(logits[3:4], keys[3:4], steps[3:4], params, chunk=chunk)
+        assert tok_one.item() == tok[3].item()
 
 
 def test_engine_with_shared_prefix_attention_generates_the_same():

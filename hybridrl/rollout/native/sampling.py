@@ -1,9 +1,18 @@
 """Token sampling with per-sequence seeds: temperature, top-k, top-p and greedy.
 
-Sampling is Gumbel-max, argmax(logits / T + g), with the Gumbel noise g a pure function of
-(sequence key, step, vocabulary index) through an integer hash. So a sequence's draws depend on
-its seed alone, not on which other sequences share its batch or on any generator's state, and the
-GPU kernel (triton_sampling.py) computes the very same noise without a generator object.
+Sampling is Gumbel-max, argmax(x + g) for x = logits / T, with the Gumbel noise g a pure function
+of (sequence key, step, index) through an integer hash. So a sequence's draws depend on its seed
+alone, not on which other sequences share its batch or on any generator's state, and the GPU
+kernel (triton_sampling.py) computes the very same noise without a generator object.
+
+Without top-k / top-p the draw has two levels, so that noise is needed for one chunk of the
+vocabulary only instead of all of it: the vocabulary is cut into chunks of SAMPLE_CHUNK entries;
+a chunk c is chosen by Gumbel-max over the chunks' log-masses L_c = logsumexp(x over c), with the
+chunk's noise hashed at index CHUNK_DOMAIN | c (no vocabulary index reaches it); then a token of
+that chunk by Gumbel-max over its entries, with the token noise of the one-level draw. P(i) =
+P(chunk of i) * P(i | chunk) = exp(L_c) / sum exp(L) * exp(x_i - L_c) = softmax(x)_i, exactly.
+With top-k / top-p the draw stays one-level over the filtered vocabulary.
+
 The returned log-prob is log_softmax(logits / T) of the chosen token, in fp32, over the whole
 vocabulary (before top-k / top-p): the distribution the trainer recomputes.
 """
@@ -15,6 +24,12 @@ from dataclasses import dataclass
 import torch
 
 MASK32 = 0xFFFFFFFF
+# Vocabulary entries per chunk of the two-level draw, shared by this reference and the Triton
+# kernel (whose stage-1 chunk it also is). It decides which token a given (seed, step) draws, so
+# the CPU and GPU paths must agree on it; the distribution is softmax(logits / T) for any value.
+SAMPLE_CHUNK = 2048
+# The chunk noise is hashed at index CHUNK_DOMAIN | c; token noise at vocabulary indices < 2**31.
+CHUNK_DOMAIN = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -50,28 +65,70 @@ def row_keys_from_seeds(seeds: torch.Tensor) -> torch.Tensor:
     return lowbias32(lo ^ lowbias32(hi))
 
 
-def gumbel_noise(row_keys: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise [B, V] for draw `steps[b]` of the sequence keyed `row_keys[b]`."""
-    step_keys = lowbias32(row_keys ^ lowbias32(steps & MASK32))  # [B]
-    vocab = torch.arange(vocab_size, device=row_keys.device, dtype=torch.int64)
-    bits = lowbias32(step_keys[:, None] ^ vocab[None, :])  # [B, V]
+def step_keys_of(row_keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """32-bit key [B] of draw `steps[b]` of the sequence keyed `row_keys[b]`."""
+    return lowbias32(row_keys ^ lowbias32(steps & MASK32))
+
+
+def hashed_gumbel(step_keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, K] at the indices `index` ([B, K] or [1, K], int64 in [0, 2**32))."""
+    bits = lowbias32(step_keys[:, None] ^ index)
     # 23 random bits + 0.5 is exact in fp32, so u lies strictly inside (0, 1).
     u = ((bits >> 9).to(torch.float32) + 0.5) * (2.0**-23)
     return -torch.log(-torch.log(u))
 
 
+def gumbel_noise(row_keys: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, V] for draw `steps[b]` of the sequence keyed `row_keys[b]`."""
+    vocab = torch.arange(vocab_size, device=row_keys.device, dtype=torch.int64)
+    return hashed_gumbel(step_keys_of(row_keys, steps), vocab[None, :])
+
+
+def chunk_gumbel_noise(row_keys: torch.Tensor, steps: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, num_chunks] of the two-level draw's chunk choice."""
+    chunks = torch.arange(num_chunks, device=row_keys.device, dtype=torch.int64) | CHUNK_DOMAIN
+    return hashed_gumbel(step_keys_of(row_keys, steps), chunks[None, :])
+
+
+def two_level_gumbel_max(
+    scaled: torch.Tensor, row_keys: torch.Tensor, steps: torch.Tensor, chunk: int = SAMPLE_CHUNK
+) -> torch.Tensor:
+    """Tokens [B] drawn from softmax(scaled) [B, V] fp32: a chunk by Gumbel-max over the chunks'
+    log-masses, then a token of it by Gumbel-max over its entries (see the module docstring)."""
+    batch, vocab = scaled.shape
+    num_chunks = -(-vocab // chunk)
+    padded = torch.nn.functional.pad(scaled, (0, num_chunks * chunk - vocab), value=float("-inf"))
+    padded = padded.view(batch, num_chunks, chunk)
+    m = padded.amax(dim=-1)  # [B, C]
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # a chunk of -inf only: mass 0
+    log_mass = m + torch.log(torch.exp(padded - m[..., None]).sum(dim=-1))
+    chosen = (log_mass + chunk_gumbel_noise(row_keys, steps, num_chunks)).argmax(dim=-1)  # [B]
+    index = chosen[:, None] * chunk + torch.arange(chunk, device=scaled.device)  # [B, chunk]
+    x = padded.gather(1, chosen[:, None, None].expand(batch, 1, chunk))[:, 0]  # -inf past V
+    within = (x + hashed_gumbel(step_keys_of(row_keys, steps), index)).argmax(dim=-1)
+    return chosen * chunk + within
+
+
 def sample(
-    logits: torch.Tensor, row_keys: torch.Tensor, steps: torch.Tensor, params: SamplingParams
+    logits: torch.Tensor,
+    row_keys: torch.Tensor,
+    steps: torch.Tensor,
+    params: SamplingParams,
+    chunk: int = SAMPLE_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draws one token per row. logits [B, V] (any float dtype) -> tokens [B] int64, logprobs [B]
-    fp32."""
+    fp32. `chunk`: the two-level draw's chunk size; leave it at SAMPLE_CHUNK (the Triton kernel's
+    default too) outside tests, since it decides which token a (seed, step) draws."""
     if params.greedy:
         scaled = logits.float()
         tokens = scaled.argmax(dim=-1)
+    elif params.filtered:
+        scaled = logits.float() / params.temperature
+        candidates = _filter_top_k_top_p(scaled, params)
+        tokens = (candidates + gumbel_noise(row_keys, steps, logits.shape[-1])).argmax(dim=-1)
     else:
         scaled = logits.float() / params.temperature
-        candidates = _filter_top_k_top_p(scaled, params) if params.filtered else scaled
-        tokens = (candidates + gumbel_noise(row_keys, steps, logits.shape[-1])).argmax(dim=-1)
+        tokens = two_level_gumbel_max(scaled, row_keys, steps, chunk)
     logprobs = scaled.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(scaled, dim=-1)
     return tokens, logprobs
 
