@@ -27,7 +27,7 @@ MASK32 = 0xFFFFFFFF
 # Vocabulary entries per chunk of the two-level draw, shared by this reference and the Triton
 # kernel (whose stage-1 chunk it also is). It decides which token a given (seed, step) draws, so
 # the CPU and GPU paths must agree on it; the distribution is softmax(logits / T) for any value.
-SAMPLE_CHUNK = 2048
+SAMPLE_CHUNK = 8192
 # The chunk noise is hashed at index CHUNK_DOMAIN | c; token noise at vocabulary indices < 2**31.
 CHUNK_DOMAIN = 1 << 31
 
