@@ -149,9 +149,9 @@ def _per_query_head(t, num_heads):
 
 
 def _varlen_reference_forward(q, k, v, cu_q, cu_k, scale):
-    """(out `[Tq, H, D]`, log-sum-exp `[H, Tq]` fp32) of `_FlashVarlen`, as dense fp32 attention."""
-    H, D = q.shape[1], q.shape[2]
-    s = _varlen_scores(q, _per_query_head(k, H), cu_q, cu_k, scale if scale is not None else D**-0.5)
+    """(out `[Tq, H, D]`, log-sum-exp `[H, Tq]` fp32) of `varlen_attention`, as dense fp32 attention."""
+    H = q.shape[1]
+    s = _varlen_scores(q, _per_query_head(k, H), cu_q, cu_k, scale)
     lse = torch.logsumexp(s, dim=-1)
     out = torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]), _per_query_head(v, H))
     return out.to(q.dtype).contiguous(), lse.contiguous()
@@ -161,7 +161,6 @@ def _varlen_reference_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, scale):
     """(dq, dk, dv) of `_varlen_reference_forward`, from the saved log-sum-exp (as flash does)."""
     H, Hkv, D = q.shape[1], k.shape[1], q.shape[2]
     group = H // Hkv
-    scale = scale if scale is not None else D**-0.5
     k_full, v_full = _per_query_head(k, H), _per_query_head(v, H)
     p = torch.exp(_varlen_scores(q, k_full, cu_q, cu_k, scale) - lse[..., None])  # [H, Tq, Tk]
     do = grad_out.float()

@@ -84,12 +84,6 @@ def gumbel_noise(row_keys: torch.Tensor, steps: torch.Tensor, vocab_size: int) -
     return hashed_gumbel(step_keys_of(row_keys, steps), vocab[None, :])
 
 
-def chunk_gumbel_noise(row_keys: torch.Tensor, steps: torch.Tensor, num_chunks: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise [B, num_chunks] of the two-level draw's chunk choice."""
-    chunks = torch.arange(num_chunks, device=row_keys.device, dtype=torch.int64) | CHUNK_DOMAIN
-    return hashed_gumbel(step_keys_of(row_keys, steps), chunks[None, :])
-
-
 def two_level_gumbel_max(
     scaled: torch.Tensor, row_keys: torch.Tensor, steps: torch.Tensor, chunk: int = SAMPLE_CHUNK
 ) -> torch.Tensor:
@@ -102,10 +96,12 @@ def two_level_gumbel_max(
     m = padded.amax(dim=-1)  # [B, C]
     m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # a chunk of -inf only: mass 0
     log_mass = m + torch.log(torch.exp(padded - m[..., None]).sum(dim=-1))
-    chosen = (log_mass + chunk_gumbel_noise(row_keys, steps, num_chunks)).argmax(dim=-1)  # [B]
+    step_keys = step_keys_of(row_keys, steps)
+    chunks = torch.arange(num_chunks, device=scaled.device, dtype=torch.int64) | CHUNK_DOMAIN
+    chosen = (log_mass + hashed_gumbel(step_keys, chunks[None, :])).argmax(dim=-1)  # [B]
     index = chosen[:, None] * chunk + torch.arange(chunk, device=scaled.device)  # [B, chunk]
     x = padded.gather(1, chosen[:, None, None].expand(batch, 1, chunk))[:, 0]  # -inf past V
-    within = (x + hashed_gumbel(step_keys_of(row_keys, steps), index)).argmax(dim=-1)
+    within = (x + hashed_gumbel(step_keys, index)).argmax(dim=-1)
     return chosen * chunk + within
 
 
