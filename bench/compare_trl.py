@@ -9,6 +9,8 @@
     python bench/compare_trl.py --skip-trl --profile 3   # torch.profiler summary of hybridrl's step 3
     python bench/compare_trl.py --skip-trl --profile 3 --trace step3.json.gz   # and its trace:
     python bench/trace_summary.py step3.json.gz          # GPU busy / idle time and kernels, phase by phase
+    python bench/compare_trl.py --skip-trl --profile 3 --stack --trace s.json.gz && python bench/trace_summary.py s.json.gz --why
+                                                  # and why the GPU sat idle: blocking calls, Python frames
 
 Both systems run GRPO with a KL of 0.04 to a reference model, lr 1e-6, temperature 1.0 and one
 optimizer step per 256 responses (TRL: per_device_train_batch_size=16, gradient_accumulation_steps=16),
@@ -27,6 +29,7 @@ hybridrl half runs.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -131,6 +134,9 @@ def physical_bound_s(w: Workload, num_params: int, weight_bytes: int) -> float:
 # ---- the two halves -------------------------------------------------------------------------------
 
 
+PROFILE_STACK = False  # --stack: record Python frames in the profiled step (for trace_summary.py --why)
+
+
 def profile_step(trainer, step: int, top: int = 40, trace: str | None = None):
     """Runs step `step` (1-based) of `trainer.fit` under torch.profiler and prints where the GPU time went.
 
@@ -144,8 +150,23 @@ def profile_step(trainer, step: int, top: int = 40, trace: str | None = None):
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        with profile(activities=activities) as prof:
-            record = original(prompts)
+        pauses: list[tuple[int, float]] = []  # (generation, seconds) of each garbage collection in the step
+        started: list[float] = []
+
+        def on_gc(phase, info):
+            if phase == "start":
+                started.append(time.perf_counter())
+            elif started:
+                pauses.append((info["generation"], time.perf_counter() - started.pop()))
+
+        gc.callbacks.append(on_gc)
+        try:
+            with profile(activities=activities, with_stack=PROFILE_STACK) as prof:
+                record = original(prompts)
+        finally:
+            gc.callbacks.remove(on_gc)
+        by_gen = {g: (sum(1 for x, _ in pauses if x == g), sum(d for x, d in pauses if x == g)) for g in (0, 1, 2)}
+        print("\n[profile] garbage collections in the step: " + ", ".join(f"gen{g} {n}x {1e3 * d:.1f} ms" for g, (n, d) in by_gen.items()))
         events = prof.key_averages()
         phases = sorted((e for e in events if e.key.startswith("phase/")), key=lambda e: e.key)
         print(f"\n[profile] step {step}: phases (CPU wall ms / device ms inside):")
@@ -313,6 +334,8 @@ def run_in_subprocess(system: str, args, model_dir: Path, overrides: list[str] =
         cmd += ["--profile", str(profile)]
         if args.trace:
             cmd += ["--trace", args.trace]
+        if args.stack:
+            cmd.append("--stack")
     proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if proc.returncode != 0:
         return {"error": f"{system} half exited with status {proc.returncode} (its output is above)"}
@@ -387,10 +410,13 @@ def main(argv: list[str] | None = None) -> dict:
                     help="print a torch.profiler summary of this hybridrl step (GPU)")
     ap.add_argument("--trace", type=str, default=None, metavar="FILE",
                     help="with --profile: also write that step's Chrome trace (FILE.json.gz: gzipped); bench/trace_summary.py reads it")
+    ap.add_argument("--stack", action="store_true", help="with --profile: record Python frames too (slower; for trace_summary.py --why)")
     ap.add_argument("--worker", choices=["hybridrl", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", type=str, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", type=str, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    global PROFILE_STACK
+    PROFILE_STACK = args.stack
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     w = workload("tiny" if args.tiny else args.size)
     if args.worker:  # one half, in a subprocess of the invocation below

@@ -135,11 +135,96 @@ def idle_by_host_activity(events: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
+BLOCKING_MS = 0.2  # a runtime call this long held the host: a sync, a pageable copy, an allocation
+
+
+def _innermost(spans: list[tuple[float, float, str]], starts: list[float], ts: float, max_back: int = 4000) -> str | None:
+    """Name of the shortest span in `spans` (sorted by start) that holds time `ts`."""
+    best = None
+    i = bisect.bisect_right(starts, ts) - 1
+    while i >= 0 and max_back > 0:
+        a, b, name = spans[i]
+        if a <= ts <= b and (best is None or b - a < best[1] - best[0]):
+            best = spans[i]
+        i -= 1
+        max_back -= 1
+    return best[2] if best else None
+
+
+def why_idle(events: list[dict], project: str = "hybridrl/") -> dict[str, dict[str, list[tuple[str, float, int]]]]:
+    """For each phase: (1) host-blocking CUDA runtime calls (longer than BLOCKING_MS), by call and the
+    innermost project Python frame (traces made with `with_stack`) or operator that made them; (2) the
+    GPU's idle time by the innermost project Python frame the host was in at each idle interval's middle."""
+    def spans_of(pred):
+        spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("ph") == "X" and pred(e))
+        return spans, [s[0] for s in spans]
+
+    frames = spans_of(lambda e: e.get("cat") == "python_function" and project in e.get("name", ""))
+    ops = spans_of(lambda e: e.get("cat") == "cpu_op")
+    phases = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+              and e.get("name", "").startswith("phase/") and e["name"] != "phase/step"]  # fmt: skip
+    runtime = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver") and e["dur"] >= BLOCKING_MS * 1e3]
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS)
+
+    def where(ts: float) -> str:
+        frame = _innermost(*frames, ts)
+        op = _innermost(*ops, ts)
+        return " / ".join(x for x in (frame and re.sub(r"^.*?" + re.escape(project), "", frame), op) if x) or "(no frame)"
+
+    out = {}
+    for phase in phases:
+        t0, t1 = phase["ts"], phase["ts"] + phase["dur"]
+        blocking = defaultdict(lambda: [0.0, 0])
+        for e in runtime:
+            if t0 <= e["ts"] <= t1:
+                s = blocking[f"{e['name']} <- {where(e['ts'])}"]
+                s[0] += e["dur"] / 1e3
+                s[1] += 1
+        idle, end = [], t0
+        for a, b in gpu[max(0, bisect.bisect_left(gpu, (t0, t0)) - 1) :]:
+            if a > t1:
+                break
+            if b > end:
+                if a > end:
+                    idle.append((end, min(a, t1)))
+                end = b
+        if end < t1:
+            idle.append((end, t1))
+        by_frame = defaultdict(lambda: [0.0, 0])
+        for a, b in idle:
+            if b - a >= 50:  # us; shorter gaps are launch spacing
+                s = by_frame[where((a + b) / 2)]
+                s[0] += (b - a) / 1e3
+                s[1] += 1
+        top = lambda d: sorted(((k, v[0], v[1]) for k, v in d.items()), key=lambda x: -x[1])[:12]  # noqa: E731
+        out[phase["name"]] = {"blocking": top(blocking), "idle": top(by_frame)}
+    return out
+
+
+def frames_in(events: list[dict], phase: str, top: int = 25) -> list[tuple[str, float, int]]:
+    """Python frames (traces made with `with_stack`) inside a phase, by inclusive time: main thread
+    and any other thread that ran meanwhile (a thread's frames are tagged with its id)."""
+    spans = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name") == phase]
+    totals = defaultdict(lambda: [0.0, 0])
+    for span in spans:
+        t0, t1 = span["ts"], span["ts"] + span["dur"]
+        for e in events:
+            if e.get("ph") == "X" and e.get("cat") == "python_function" and t0 <= e["ts"] <= t1:
+                s = totals[f"[tid {e.get('tid')}] {e['name']}"]
+                s[0] += min(e["ts"] + e["dur"], t1) / 1e3 - e["ts"] / 1e3
+                s[1] += 1
+    return sorted(((k, v[0], v[1]) for k, v in totals.items()), key=lambda x: -x[1])[:top]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--gaps", action="store_true", help="split each phase's idle GPU time by host activity")
+    ap.add_argument("--why", action="store_true",
+                    help="per phase: host-blocking CUDA calls and idle GPU time by the project's Python frame (trace made with --stack)")
+    ap.add_argument("--frames", action="append", default=[], metavar="PHASE",
+                    help="Python frames inside PHASE (e.g. phase/batch) by inclusive time (trace made with --stack)")
     args = ap.parse_args(argv)
     events = load(args.trace)
     result = summarise(events, args.top)
@@ -152,6 +237,18 @@ def main(argv=None):
         if name in gaps:
             split = ", ".join(f"{label} {ms:.1f}" for label, ms in sorted(gaps[name].items(), key=lambda x: -x[1]))
             print(f"   GPU idle by host activity (ms): {split or 'none'}")
+    if args.why:
+        for name, w in why_idle(events).items():
+            print(f"\n== {name}: host-blocking CUDA calls (>= {BLOCKING_MS} ms each)")
+            for k, ms, n in w["blocking"]:
+                print(f"   {ms:9.2f} ms  {n:6d}x  {k[:200]}")
+            print(f"   idle GPU (gaps >= 50 us) by where the host was:")
+            for k, ms, n in w["idle"]:
+                print(f"   {ms:9.2f} ms  {n:6d}x  {k[:200]}")
+    for phase in args.frames:
+        print(f"\n== Python frames inside {phase} (inclusive ms, calls)")
+        for k, ms, n in frames_in(events, phase):
+            print(f"   {ms:9.2f} ms  {n:6d}x  {k[:200]}")
     return result
 
 

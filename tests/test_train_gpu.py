@@ -95,6 +95,27 @@ def test_packed_logprobs_and_gradients_match_padded(dtype, kernel):
 
 
 @gpu
+@pytest.mark.parametrize("packed", [True, False])
+def test_log_prob_pass_never_waits_for_the_gpu(packed):
+    """A pass without gradients (reference, old policy) over several micro-batches queues its work
+    without one host sync: a sync there lets the GPU run dry while the host packs the next row."""
+    from hybridrl.train.policy import batched_logprobs
+
+    model = _model(torch.bfloat16).eval()
+    enable_packed_attention(model, "flash")
+    batch = dataclasses.replace(_batch(), packed=packed)
+    batch.host_view()  # made once per step, when the batch is built
+    want, _ = batched_logprobs(model, batch, micro_batch_size=2, temperature=1.0, max_tokens=700)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got, _ = batched_logprobs(model, batch, micro_batch_size=2, temperature=1.0, max_tokens=700)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(got, want)
+
+
+@gpu
 def test_auto_picks_flash_for_bf16_and_flex_for_fp32():
     assert enable_packed_attention(_model(torch.bfloat16)) == "flash"
     assert enable_packed_attention(_model(torch.float32)) == "flex"

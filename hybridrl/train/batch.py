@@ -101,6 +101,12 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def rows_on(index: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Row indices as a tensor on `device`. Indexing a GPU tensor with a Python list copies the list
+    from pageable memory and waits for the GPU's queue to drain; this copy goes through pinned memory."""
+    return to_device(torch.as_tensor(index, dtype=torch.long), device)
+
+
 def build_sequence_batch(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int) -> SequenceBatch:
     """Pads prompts on the left and responses on the right into one batch."""
     B = len(prompt_ids)

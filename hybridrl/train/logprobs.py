@@ -12,7 +12,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutput
 
 from hybridrl.train.attention import BLOCK, check_window, packed_forward_inputs, packed_kernel
-from hybridrl.train.batch import SequenceBatch
+from hybridrl.train.batch import SequenceBatch, to_device
 from hybridrl.train.lm_head import token_logprobs
 from hybridrl.train.packing import pack_sequences
 from hybridrl.train.setup import grouped_decoder_forward
@@ -35,7 +35,8 @@ def _run(model: torch.nn.Module, batch: SequenceBatch) -> tuple[torch.Tensor, to
             out = model(input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False, **attention)
         return out, layout.logit_index, layout.labels, layout.target_index
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False)
-    rows, cols = batch.response_mask.nonzero(as_tuple=True)
+    # Where the response tokens are, read from the host copy: `nonzero` on the device is a host sync.
+    rows, cols = (to_device(i, batch.input_ids.device) for i in batch.host_view()[2].nonzero(as_tuple=True))
     L, T = batch.input_ids.shape[1], batch.response_mask.shape[1]
     return out, rows * L + batch.prompt_width - 1 + cols, batch.response_ids[rows, cols], rows * T + cols
 

@@ -6,7 +6,7 @@ import torch
 
 from hybridrl.algos import aggregate_loss, get_policy_loss, kl_penalty, masked_mean
 from hybridrl.config import AlgorithmConfig, TrainConfig
-from hybridrl.train.batch import SequenceBatch
+from hybridrl.train.batch import SequenceBatch, rows_on
 from hybridrl.train.logprobs import response_logprobs
 from hybridrl.train.packing import Work, micro_batch_work, micro_batches
 from hybridrl.train.epochs import update_epochs
@@ -34,7 +34,7 @@ def batched_logprobs(
     for idx, micro in micro_batches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens):
         work += micro_batch_work(micro)
         lp, _ = response_logprobs(model, micro, temperature=temperature)
-        out[idx, : lp.shape[1]] = lp
+        out[rows_on(idx, out.device), : lp.shape[1]] = lp
     return out, work
 
 

@@ -6,7 +6,7 @@ import torch
 
 from hybridrl.algos import clipped_value_loss, masked_mean
 from hybridrl.config import AlgorithmConfig, TrainConfig
-from hybridrl.train.batch import SequenceBatch
+from hybridrl.train.batch import SequenceBatch, rows_on
 from hybridrl.train.logprobs import response_values
 from hybridrl.train.packing import Work, micro_batches
 from hybridrl.train.epochs import update_epochs
@@ -18,7 +18,7 @@ def batched_values(critic: torch.nn.Module, batch: SequenceBatch, *, micro_batch
     out = torch.zeros(batch.size, T, dtype=torch.float32, device=batch.input_ids.device)
     for idx, micro in micro_batches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens):
         v = response_values(critic, micro)
-        out[idx, : v.shape[1]] = v
+        out[rows_on(idx, out.device), : v.shape[1]] = v
     return out
 
 
