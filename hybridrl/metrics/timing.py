@@ -9,28 +9,59 @@ import torch
 
 
 class PhaseTimer:
+    """Seconds per phase of a step.
+
+    On CUDA a phase is timed by two events on the current stream, not by draining the GPU: its time
+    is the stretch of the GPU's timeline between them (the GPU reaches the end event once the work
+    the phase queued has run). So the host prepares the next phase (plans and packs its first
+    micro-batch, launches its kernels) while the GPU still runs this one, as it would without
+    timers; a phase that only waits on the host (building the batch, scoring) is charged the time
+    the GPU sat waiting for it. Phases laid end to end sum to the step. The times are read with one
+    sync when asked for (`times`, `pop`). Elsewhere the phases are timed on the host clock.
+    """
+
     def __init__(self, device: torch.device | None = None):
         self.device = device
-        self.times: dict[str, float] = {}
+        self._times: dict[str, float] = {}
+        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device is not None and self.device.type == "cuda"
 
     @contextmanager
     def phase(self, name: str):
-        self._sync()
-        start = time.perf_counter()
+        if self.on_cuda:
+            start_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
+        else:
+            start = time.perf_counter()
         try:
             with torch.profiler.record_function(f"phase/{name}"):  # names the phase in a torch.profiler trace
                 yield
         finally:
-            self._sync()
-            self.times[f"timing/{name}"] = self.times.get(f"timing/{name}", 0.0) + time.perf_counter() - start
+            if self.on_cuda:
+                end_event = torch.cuda.Event(enable_timing=True)
+                end_event.record()
+                self._pending.append((name, start_event, end_event))
+            else:
+                self._add(name, time.perf_counter() - start)
 
-    def _sync(self) -> None:
-        # GPU work is asynchronous: without a sync a phase would be charged for the previous one.
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def _add(self, name: str, seconds: float) -> None:
+        self._times[f"timing/{name}"] = self._times.get(f"timing/{name}", 0.0) + seconds
+
+    @property
+    def times(self) -> dict[str, float]:
+        """The phases ended so far (waits for the GPU to reach the last one's end)."""
+        for name, start_event, end_event in self._pending:
+            end_event.synchronize()  # in stream order, so only the first wait is long
+            self._add(name, start_event.elapsed_time(end_event) / 1e3)
+        self._pending.clear()
+        return self._times
 
     def pop(self) -> dict[str, float]:
-        times, self.times = self.times, {}
+        times = self.times
+        self._times = {}
         return times
 
 
