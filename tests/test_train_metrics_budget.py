@@ -30,6 +30,31 @@ def test_micro_batch_metrics_are_summed_on_device_and_read_once(monkeypatch):
     assert 3 in reads  # the three tensor metrics were read in one stacked transfer
 
 
+def test_grad_norm_is_reported_with_and_without_clipping():
+    """grad_clip > 0 scales the gradients to that norm before the update; grad_clip = 0 applies them
+    as they are. Both report the norm before clipping."""
+    def run(grad_clip):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        x = torch.randn(8, 4)
+        grads = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+        norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
+        result = update.optimizer_step(model, optimizer, [x], lambda m: (model(m).square().sum(), {}), grad_clip=grad_clip)
+        steps = [b - p.detach() for b, p in zip(before, model.parameters())]  # lr 1: the applied gradients
+        return result, norm, grads, steps
+
+    result, norm, grads, steps = run(0.0)
+    assert abs(result.grad_norm - norm) < 1e-4 and norm > 1.0
+    for g, s in zip(grads, steps):
+        torch.testing.assert_close(s, g)
+    result, norm, grads, steps = run(1.0)
+    assert abs(result.grad_norm - norm) < 1e-4
+    applied = torch.linalg.vector_norm(torch.stack([s.norm() for s in steps])).item()
+    assert abs(applied - 1.0) < 1e-3
+
+
 def test_no_grad_passes_use_their_own_token_budget(tmp_path, arith_data, monkeypatch):
     budgets = []
     real = rl_step.batched_logprobs

@@ -54,8 +54,11 @@ def optimizer_step(
     params = grad_params(model, optimizer)  # under mixed precision: the fp32 masters, which hold the gradients
     # One host sync for the NaN/inf check and the norm: a NaN/inf in any gradient makes the total norm
     # non-finite (so does a norm beyond fp32's range, after which no update should be applied either).
-    max_norm = grad_clip if grad_clip > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    if grad_clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:  # nothing to clip: the norm alone (clip_grad_norm_ would still scale every gradient by 1)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    grad_norm = float(norm)
     finite = math.isfinite(grad_norm)
     if finite:
         optimizer.step()
