@@ -181,6 +181,26 @@ def profile_step(trainer, step: int, top: int = 40, trace: str | None = None):
     trainer.train_step = train_step
 
 
+def wall_clock_steps(trainer, device: str) -> list[float]:
+    """Times every `trainer.train_step` on the host's clock between GPU syncs, as TRL's steps are
+    timed (StepTimer below), beside the step record's own `timing/step`; returns the list it fills."""
+    times: list[float] = []
+    original = trainer.train_step
+
+    def train_step(prompts):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        record = original(prompts)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        return record
+
+    trainer.train_step = train_step
+    return times
+
+
 def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, device: str, work_dir: Path,
                  overrides: list[str] = (), profile: int = 0, trace: str | None = None) -> dict:  # fmt: skip
     from hybridrl import RolloutEngine, TrainerEngine
@@ -223,6 +243,7 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
     trainer = TrainerEngine(actor=engine, reward_fn=reward_fn, algorithm="grpo", config=cfg)
     if profile:
         profile_step(trainer, profile, trace=trace)
+    wall = wall_clock_steps(trainer, device)
     trainer.fit(str(data))
     records = read_records(work_dir / "run" / "metrics.jsonl")
     for r in records:
@@ -233,6 +254,7 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
     return {
         "step_time_s": mean("timing/step"),
         "step_times_s": [r["timing/step"] for r in records],
+        "host_step_times_s": wall,  # the same steps on the host's clock, as TRL's are measured
         "response_tokens_per_step": mean("rollout/response_length/mean") * w.responses,
         "peak_allocated_gib": max(r.get("memory/peak_allocated_gib") or 0.0 for r in records) if device == "cuda" else None,
         "phases_s": {k.removeprefix("timing/"): mean(k) for k in phases if k.count("/") == 1},
@@ -389,7 +411,8 @@ def print_table(result: dict) -> None:
         print("hybridrl inside the rollout phase (s): " + ", ".join(f"{k} {v:.3f}" for k, v in h["rollout_engine"].items()))
         print(f"hybridrl rollout/logprob_diff: mean {_fmt(h.get('logprob_diff_mean'), '.3e')}, max {_fmt(h.get('logprob_diff_max'), '.3e')}")
         print(f"hybridrl MFU: actor {_fmt(h.get('mfu_actor'), '.1%')}, ref {_fmt(h.get('mfu_ref'), '.1%')}; "
-              f"step times {['%.2f' % s for s in h['step_times_s']]}")  # fmt: skip
+              f"step times {['%.2f' % s for s in h['step_times_s']]} "
+              f"(host clock: {['%.2f' % s for s in h.get('host_step_times_s', [])]})")  # fmt: skip
     if "step_times_s" in trl:
         print(f"TRL step times {['%.2f' % s for s in trl['step_times_s']]}")
 

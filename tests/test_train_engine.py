@@ -60,6 +60,10 @@ def test_compare_trl_tiny_runs_hybridrl_and_skips_a_missing_trl(tmp_path):
     assert out.exists()
     h = result["hybridrl"]
     assert h["step_time_s"] > 0 and h["response_tokens_per_s"] > 0 and len(h["step_times_s"]) == 2
+    # The host's clock around each step (TRL's measure) agrees with the step record's own time.
+    assert len(h["host_step_times_s"]) == 2
+    for record_s, host_s in zip(h["step_times_s"], h["host_step_times_s"]):
+        assert record_s <= host_s < record_s + 0.05
     assert {"rollout", "ref", "train"} <= set(h["phases_s"])
     trl = result["trl"]
     if "skipped" in trl:
