@@ -103,6 +103,22 @@ HOST_ACTIVITIES = (
 )
 
 
+def idle_intervals(gpu: list[tuple[float, float]], t0: float, t1: float) -> list[tuple[float, float]]:
+    """The stretches of [t0, t1] during which no GPU interval (sorted by start) is running."""
+    idle, end = [], t0
+    for a, b in gpu[max(0, bisect.bisect_left(gpu, (t0, t0)) - 1) :]:
+        if a > t1:
+            break
+        if b <= end:
+            continue
+        if a > end:
+            idle.append((end, min(a, t1)))
+        end = b
+    if end < t1:
+        idle.append((end, t1))
+    return idle
+
+
 def idle_by_host_activity(events: list[dict]) -> dict[str, dict[str, float]]:
     """For each phase: ms of GPU idle time (no kernel, copy or memset running) by what the host was in."""
     ranges = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
@@ -110,20 +126,8 @@ def idle_by_host_activity(events: list[dict]) -> dict[str, dict[str, float]]:
     host = {label: sorted((e["ts"], e["ts"] + e["dur"]) for e in ranges if e["name"].startswith(prefix)) for label, prefix in HOST_ACTIVITIES}
     out: dict[str, dict[str, float]] = {}
     for phase in (e for e in ranges if e["name"].startswith("phase/") and e["name"] != "phase/step"):
-        t0, t1 = phase["ts"], phase["ts"] + phase["dur"]
-        idle, end = [], t0
-        for a, b in gpu[max(0, bisect.bisect_left(gpu, (t0, t0)) - 1) :]:
-            if a > t1:
-                break
-            if b <= end:
-                continue
-            if a > end:
-                idle.append((end, min(a, t1)))
-            end = b
-        if end < t1:
-            idle.append((end, t1))
         split = defaultdict(float)
-        for a, b in idle:
+        for a, b in idle_intervals(gpu, phase["ts"], phase["ts"] + phase["dur"]):
             mid, label = (a + b) / 2, "elsewhere"
             for name, spans in host.items():
                 i = bisect.bisect_right(spans, (mid, float("inf"))) - 1
@@ -180,18 +184,8 @@ def why_idle(events: list[dict], project: str = "hybridrl/") -> dict[str, dict[s
                 s = blocking[f"{e['name']} <- {where(e['ts'])}"]
                 s[0] += e["dur"] / 1e3
                 s[1] += 1
-        idle, end = [], t0
-        for a, b in gpu[max(0, bisect.bisect_left(gpu, (t0, t0)) - 1) :]:
-            if a > t1:
-                break
-            if b > end:
-                if a > end:
-                    idle.append((end, min(a, t1)))
-                end = b
-        if end < t1:
-            idle.append((end, t1))
         by_frame = defaultdict(lambda: [0.0, 0])
-        for a, b in idle:
+        for a, b in idle_intervals(gpu, t0, t1):
             if b - a >= 50:  # us; shorter gaps are launch spacing
                 s = by_frame[where((a + b) / 2)]
                 s[0] += (b - a) / 1e3

@@ -93,9 +93,7 @@ def two_level_gumbel_max(
     num_chunks = -(-vocab // chunk)
     padded = torch.nn.functional.pad(scaled, (0, num_chunks * chunk - vocab), value=float("-inf"))
     padded = padded.view(batch, num_chunks, chunk)
-    m = padded.amax(dim=-1)  # [B, C]
-    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # a chunk of -inf only: mass 0
-    log_mass = m + torch.log(torch.exp(padded - m[..., None]).sum(dim=-1))
+    log_mass = torch.logsumexp(padded, dim=-1)  # [B, C]; -inf for a chunk of -inf only (mass 0)
     step_keys = step_keys_of(row_keys, steps)
     chunks = torch.arange(num_chunks, device=scaled.device, dtype=torch.int64) | CHUNK_DOMAIN
     chosen = (log_mass + hashed_gumbel(step_keys, chunks[None, :])).argmax(dim=-1)  # [B]
