@@ -83,6 +83,46 @@ def test_paged_decode_attention(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("heads", [(14, 2), (4, 4)])
+@pytest.mark.parametrize("tile", [16, 64])
+def test_rope_decode_attention_in_one_kernel_equals_the_two(dtype, qk_norm, heads, tile):
+    """The fused kernel writes the same K/V into the cache and returns the same attention as
+    qk_rope_write_kv followed by paged_decode_attention: new tokens at position 0, mid-block, on a
+    block's last and first slots, and deep into the context; q / k / v strided as the decoder has them."""
+    from hybridrl.rollout.native.ops_triton import TritonOps
+
+    g = torch.Generator().manual_seed(7)
+    hq, hkv = heads
+    d, bs, nb, mb = 64, 16, 50, 9
+    pos = torch.tensor([0, 7, 15, 16, 139], device=DEVICE)
+    batch = pos.numel()
+    qkv = torch.randn(batch, (hq + 2 * hkv) * d, generator=g).to(DEVICE, dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    ang = torch.rand(256, d // 2, generator=g).to(DEVICE) * 6
+    cos, sin = ang.cos(), ang.sin()
+    qn = torch.randn(d, generator=g).to(DEVICE, dtype) if qk_norm else None
+    kn = torch.randn(d, generator=g).to(DEVICE, dtype) if qk_norm else None
+    bt = torch.randperm(nb - 1, generator=g)[: batch * mb].view(batch, mb).add(1).to(DEVICE, torch.int32)
+    kc = torch.randn(nb, hkv, bs, d, generator=g).to(DEVICE, dtype)  # earlier tokens' keys / values
+    vc = torch.randn(nb, hkv, bs, d, generator=g).to(DEVICE, dtype)
+    scale = d**-0.5
+    two = TritonOps(attention_tile=tile)
+    k2, v2 = kc.clone(), vc.clone()
+    rotated = triton_kernels.qk_rope_write_kv(q, k, v, pos, cos, sin, qn, kn, 1e-6, k2, v2, bt)
+    want = triton_attention.paged_decode_attention(rotated, k2, v2, bt, pos + 1, scale, tile=tile)
+    k1, v1 = kc.clone(), vc.clone()
+    got = two.rope_decode_attention(q, k, v, pos, cos, sin, qn, kn, 1e-6, k1, v1, bt, scale)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    # and the PyTorch reference of the pair
+    k0, v0 = kc.clone(), vc.clone()
+    ref = TorchOps().rope_decode_attention(q, k, v, pos, cos, sin, qn, kn, 1e-6, k0, v0, bt, scale)
+    torch.testing.assert_close(got, ref, **_tol(dtype))
+    torch.testing.assert_close(k1, k0, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tile", [16, 64])
 @pytest.mark.parametrize("splits", [1, 2, 3, 5, 0])
 def test_shared_prefix_attention_equals_per_row_attention(dtype, tile, splits):
