@@ -82,6 +82,34 @@ def test_paged_decode_attention(dtype):
         torch.testing.assert_close(out, ref, **_tol(dtype))
 
 
+@pytest.mark.parametrize("batch", [1, 7, 300])
+def test_advance_kernel_matches_the_decode_state_bookkeeping(batch):
+    """One kernel for a decode step's bookkeeping: record the token and log-prob of each active row
+    (finished rows write to the trash column), mark rows done on a stop token or at max_tokens,
+    advance steps / positions / next tokens; rows past `batch` untouched."""
+    from hybridrl.rollout.native.state import DecodeState
+
+    g = torch.Generator().manual_seed(batch)
+    slots, max_gen = 320, 12
+    states = [DecodeState(slots, 4, max_gen, 32, torch.device(DEVICE)) for _ in range(2)]
+    init = dict(
+        tokens=torch.randint(0, 50, (slots,), generator=g), positions=torch.randint(0, 60, (slots,), generator=g),
+        steps=torch.randint(1, max_gen, (slots,), generator=g), max_lens=torch.randint(2, max_gen + 1, (slots,), generator=g),
+        done=torch.rand(slots, generator=g) < 0.3, out_tokens=torch.randint(0, 50, (slots, max_gen + 1), generator=g),
+        out_logprobs=torch.randn(slots, max_gen + 1, generator=g),
+    )  # fmt: skip
+    for st in states:
+        for name, value in init.items():
+            getattr(st, name).copy_(value.to(DEVICE))
+        st.set_stop_ids([3, 7])
+    new_tokens = torch.randint(0, 10, (batch,), generator=g).to(DEVICE)  # some 3s and 7s: stops
+    logprobs = torch.randn(batch, generator=g).to(DEVICE)
+    states[0].advance(batch, new_tokens, logprobs)
+    triton_kernels.advance(states[1], batch, new_tokens, logprobs)
+    for name in list(init) + ["stop_ids"]:
+        assert torch.equal(getattr(states[1], name), getattr(states[0], name)), name
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("heads", [(14, 2), (4, 4)])

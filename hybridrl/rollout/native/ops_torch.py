@@ -110,3 +110,7 @@ class TorchOps:
         self, logits: torch.Tensor, row_keys: torch.Tensor, steps: torch.Tensor, params: SamplingParams
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return sample(logits, row_keys, steps, params)
+
+    def advance(self, state, batch: int, new_tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """The decode state's per-step bookkeeping (DecodeState.advance)."""
+        state.advance(batch, new_tokens, logprobs)

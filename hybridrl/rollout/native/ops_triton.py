@@ -50,6 +50,11 @@ class TritonOps(TorchOps):
     def silu_mul(self, gate, up):
         return triton_kernels.silu_mul(gate, up)
 
+    def advance(self, state, batch, new_tokens, logprobs):
+        if state.stop_ids.numel() & (state.stop_ids.numel() - 1):  # the kernel reads a power of two
+            return super().advance(state, batch, new_tokens, logprobs)
+        triton_kernels.advance(state, batch, new_tokens, logprobs)
+
     def sample(self, logits: torch.Tensor, row_keys, steps, params: SamplingParams):
         if params.filtered:
             return super().sample(logits, row_keys, steps, params)
