@@ -82,6 +82,74 @@ def test_paged_decode_attention(dtype):
         torch.testing.assert_close(out, ref, **_tol(dtype))
 
 
+@pytest.mark.parametrize("batch", [1, 7, 300])
+def test_advance_kernel_matches_the_decode_state_bookkeeping(batch):
+    """One kernel for a decode step's bookkeeping: record the token and log-prob of each active row
+    (finished rows write to the trash column), mark rows done on a stop token or at max_tokens,
+    advance steps / positions / next tokens; rows past `batch` untouched."""
+    from hybridrl.rollout.native.state import DecodeState
+
+    g = torch.Generator().manual_seed(batch)
+    slots, max_gen = 320, 12
+    states = [DecodeState(slots, 4, max_gen, 32, torch.device(DEVICE)) for _ in range(2)]
+    init = dict(
+        tokens=torch.randint(0, 50, (slots,), generator=g), positions=torch.randint(0, 60, (slots,), generator=g),
+        steps=torch.randint(1, max_gen, (slots,), generator=g), max_lens=torch.randint(2, max_gen + 1, (slots,), generator=g),
+        done=torch.rand(slots, generator=g) < 0.3, out_tokens=torch.randint(0, 50, (slots, max_gen + 1), generator=g),
+        out_logprobs=torch.randn(slots, max_gen + 1, generator=g),
+    )  # fmt: skip
+    for st in states:
+        for name, value in init.items():
+            getattr(st, name).copy_(value.to(DEVICE))
+        st.set_stop_ids([3, 7])
+    new_tokens = torch.randint(0, 10, (batch,), generator=g).to(DEVICE)  # some 3s and 7s: stops
+    logprobs = torch.randn(batch, generator=g).to(DEVICE)
+    states[0].advance(batch, new_tokens, logprobs)
+    triton_kernels.advance(states[1], batch, new_tokens, logprobs)
+    for name in list(init) + ["stop_ids"]:
+        assert torch.equal(getattr(states[1], name), getattr(states[0], name)), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("heads", [(14, 2), (4, 4)])
+@pytest.mark.parametrize("tile", [16, 64])
+def test_rope_decode_attention_in_one_kernel_equals_the_two(dtype, qk_norm, heads, tile):
+    """The fused kernel writes the same K/V into the cache and returns the same attention as
+    qk_rope_write_kv followed by paged_decode_attention: new tokens at position 0, mid-block, on a
+    block's last and first slots, and deep into the context; q / k / v strided as the decoder has them."""
+    from hybridrl.rollout.native.ops_triton import TritonOps
+
+    g = torch.Generator().manual_seed(7)
+    hq, hkv = heads
+    d, bs, nb, mb = 64, 16, 50, 9
+    pos = torch.tensor([0, 7, 15, 16, 139], device=DEVICE)
+    batch = pos.numel()
+    qkv = torch.randn(batch, (hq + 2 * hkv) * d, generator=g).to(DEVICE, dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    ang = torch.rand(256, d // 2, generator=g).to(DEVICE) * 6
+    cos, sin = ang.cos(), ang.sin()
+    qn = torch.randn(d, generator=g).to(DEVICE, dtype) if qk_norm else None
+    kn = torch.randn(d, generator=g).to(DEVICE, dtype) if qk_norm else None
+    bt = torch.randperm(nb - 1, generator=g)[: batch * mb].view(batch, mb).add(1).to(DEVICE, torch.int32)
+    kc = torch.randn(nb, hkv, bs, d, generator=g).to(DEVICE, dtype)  # earlier tokens' keys / values
+    vc = torch.randn(nb, hkv, bs, d, generator=g).to(DEVICE, dtype)
+    scale = d**-0.5
+    two = TritonOps(attention_tile=tile)
+    k2, v2 = kc.clone(), vc.clone()
+    rotated = triton_kernels.qk_rope_write_kv(q, k, v, pos, cos, sin, qn, kn, 1e-6, k2, v2, bt)
+    want = triton_attention.paged_decode_attention(rotated, k2, v2, bt, pos + 1, scale, tile=tile)
+    k1, v1 = kc.clone(), vc.clone()
+    got = two.rope_decode_attention(q, k, v, pos, cos, sin, qn, kn, 1e-6, k1, v1, bt, scale)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    # and the PyTorch reference of the pair
+    k0, v0 = kc.clone(), vc.clone()
+    ref = TorchOps().rope_decode_attention(q, k, v, pos, cos, sin, qn, kn, 1e-6, k0, v0, bt, scale)
+    torch.testing.assert_close(got, ref, **_tol(dtype))
+    torch.testing.assert_close(k1, k0, **_tol(dtype))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tile", [16, 64])
 @pytest.mark.parametrize("splits", [1, 2, 3, 5, 0])

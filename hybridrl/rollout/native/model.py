@@ -84,7 +84,6 @@ class NativeDecoder:
     ) -> torch.Tensor:
         """One decode step for B sequences; returns logits [B, V] in the model dtype."""
         spec, w, ops = self.spec, self.weights, self.ops
-        context_lens = positions + 1
         x = F.embedding(tokens, w.embed)  # [B, H]
         residual = x.new_zeros(x.shape, dtype=torch.float32) if self.fp32_residual else None
         fused = self.fused
@@ -95,13 +94,10 @@ class NativeDecoder:
                 q, k, v = F.linear(h, fused.qkv_w[layer], fused.qkv_b[layer]).split([q_size, kv_size, kv_size], -1)
             else:
                 q, k, v = F.linear(h, lw.q_w, lw.q_b), F.linear(h, lw.k_w, lw.k_b), F.linear(h, lw.v_w, lw.v_b)
-            q = ops.qk_rope_write_kv(
+            attn = ops.rope_decode_attention(
                 q, k, v, positions, self.cos, self.sin, lw.q_norm, lw.k_norm, spec.rms_eps,
-                cache.k[layer], cache.v[layer], block_tables,
+                cache.k[layer], cache.v[layer], block_tables, spec.scaling, prefix=self.prefix,
             )  # fmt: skip
-            attn = ops.decode_attention(
-                q, cache.k[layer], cache.v[layer], block_tables, context_lens, spec.scaling, prefix=self.prefix
-            )
             x = F.linear(attn, lw.o_w, lw.o_b)
             h, residual = ops.add_rms_norm(x, residual, lw.post_norm, spec.rms_eps)
             if fused is not None:

@@ -96,6 +96,13 @@ class TorchOps:
         )
         return out.reshape(batch, -1)
 
+    def rope_decode_attention(self, q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables,
+                              scale, prefix=None) -> torch.Tensor:  # fmt: skip
+        """`qk_rope_write_kv` then `decode_attention` over the context up to and including the new
+        token (positions + 1): one decode step's attention from the q|k|v projection; [B, Hq * D]."""
+        q = self.qk_rope_write_kv(q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables)
+        return self.decode_attention(q, k_cache, v_cache, block_tables, positions + 1, scale, prefix=prefix)
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
 
@@ -103,3 +110,7 @@ class TorchOps:
         self, logits: torch.Tensor, row_keys: torch.Tensor, steps: torch.Tensor, params: SamplingParams
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return sample(logits, row_keys, steps, params)
+
+    def advance(self, state, batch: int, new_tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """The decode state's per-step bookkeeping (DecodeState.advance)."""
+        state.advance(batch, new_tokens, logprobs)

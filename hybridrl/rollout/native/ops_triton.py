@@ -36,8 +36,24 @@ class TritonOps(TorchOps):
             prefix=prefix if self.attention_split == 0 else None,  # flash-decoding splits read the whole context
         )  # fmt: skip
 
+    def rope_decode_attention(self, q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables,
+                              scale, prefix=None):  # fmt: skip
+        if prefix is not None or self.attention_split:  # those kernels read the rotated q of every row
+            return super().rope_decode_attention(
+                q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables, scale, prefix=prefix
+            )
+        return triton_attention.rope_paged_decode_attention(
+            q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables, scale,
+            tile=self.attention_tile, num_warps=self.attention_warps,
+        )  # fmt: skip
+
     def silu_mul(self, gate, up):
         return triton_kernels.silu_mul(gate, up)
+
+    def advance(self, state, batch, new_tokens, logprobs):
+        if state.stop_ids.numel() & (state.stop_ids.numel() - 1):  # the kernel reads a power of two
+            return super().advance(state, batch, new_tokens, logprobs)
+        triton_kernels.advance(state, batch, new_tokens, logprobs)
 
     def sample(self, logits: torch.Tensor, row_keys, steps, params: SamplingParams):
         if params.filtered:

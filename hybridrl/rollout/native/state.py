@@ -104,9 +104,15 @@ class DecodeState:
     def step(self, batch: int, decoder: NativeDecoder, cache: PagedKVCache, params: SamplingParams) -> None:
         """One decode step for rows [0, batch): forward, sample, record, advance (in place)."""
         tokens, positions, steps = self.tokens[:batch], self.positions[:batch], self.steps[:batch]
-        done = self.done[:batch]
         logits = decoder.decode(tokens, positions, self.block_tables[:batch], cache)
         new_tokens, logprobs = decoder.ops.sample(logits, self.row_keys[:batch], steps, params)
+        decoder.ops.advance(self, batch, new_tokens, logprobs)
+
+    def advance(self, batch: int, new_tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Records each active row's sampled token and log-prob, marks rows that stopped or hit
+        max_tokens as done, and moves the active rows one position on (rows [0, batch), in place)."""
+        tokens, positions, steps = self.tokens[:batch], self.positions[:batch], self.steps[:batch]
+        done = self.done[:batch]
         active = ~done
         column = torch.where(active, steps, self.max_gen)[:, None]  # finished rows -> trash column
         self.out_tokens[:batch].scatter_(1, column, new_tokens[:, None])

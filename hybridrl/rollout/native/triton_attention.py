@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_kernels import _rms_rope_heads
+
 # Tokens per inner-loop tile; several cache blocks are gathered per tile so the loop is short.
 DEFAULT_TILE = 128
 
@@ -124,6 +126,69 @@ def _paged_decode_kernel(
     )  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+@triton.jit
+def _rope_paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
+    k_cache_ptr, v_cache_ptr, bt_ptr, bt_stride, out_ptr, scale_log2,
+    MAX_CTX: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+    BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    """_qk_rope_write_kv_kernel and _paged_decode_kernel as one program per (sequence, KV head):
+    the program rotates its query heads and its KV head's new key, writes the new key and value
+    into the cache, and attends over the context including them. Same arithmetic, one launch fewer
+    per layer. The rotated queries are staged in the row's output slot (overwritten by the result)."""
+    row = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    dtype = out_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + row)
+    hd = tl.arange(0, HALF_P)
+    hd_mask = hd < HALF
+    c = tl.load(cos_ptr + pos * HALF + hd, mask=hd_mask, other=0.0)[None, :]
+    s = tl.load(sin_ptr + pos * HALF + hd, mask=hd_mask, other=0.0)[None, :]
+
+    g = tl.arange(0, GROUP_P)
+    g_mask = g < GROUP
+    head = kvh * GROUP + g
+    half_off = head[:, None] * D + hd[None, :]
+    half_mask = g_mask[:, None] & hd_mask[None, :]
+    q1 = tl.load(q_ptr + row * q_stride + half_off, mask=half_mask, other=0.0).to(tl.float32)
+    q2 = tl.load(q_ptr + row * q_stride + half_off + HALF, mask=half_mask, other=0.0).to(tl.float32)
+    o1, o2 = _rms_rope_heads(q1, q2, qn_ptr, c, s, hd, hd_mask, eps, D, HALF, HAS_NORM, dtype)
+    out_row = out_ptr + row * HQ * D
+    tl.store(out_row + half_off, o1.to(dtype), mask=half_mask)
+    tl.store(out_row + half_off + HALF, o2.to(dtype), mask=half_mask)
+
+    k_off = kvh * D + hd[None, :]  # [1, HALF_P]: one head
+    k_mask = hd_mask[None, :]
+    k1 = tl.load(k_ptr + row * k_stride + k_off, mask=k_mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k_ptr + row * k_stride + k_off + HALF, mask=k_mask, other=0.0).to(tl.float32)
+    ko1, ko2 = _rms_rope_heads(k1, k2, kn_ptr, c, s, hd, hd_mask, eps, D, HALF, HAS_NORM, dtype)
+    block = tl.load(bt_ptr + row * bt_stride + pos // BS).to(tl.int64)
+    c_off = ((block * HKV + kvh) * BS + pos % BS) * D + hd[None, :]
+    tl.store(k_cache_ptr + c_off, ko1.to(dtype), mask=k_mask)
+    tl.store(k_cache_ptr + c_off + HALF, ko2.to(dtype), mask=k_mask)
+    v1 = tl.load(v_ptr + row * v_stride + k_off, mask=k_mask, other=0.0)
+    v2 = tl.load(v_ptr + row * v_stride + k_off + HALF, mask=k_mask, other=0.0)
+    tl.store(v_cache_ptr + c_off, v1.to(dtype), mask=k_mask)
+    tl.store(v_cache_ptr + c_off + HALF, v2.to(dtype), mask=k_mask)
+    tl.debug_barrier()  # the stores above are read below by other threads of this program
+
+    d = tl.arange(0, D)
+    q_off = head[:, None] * D + d[None, :]
+    q = tl.load(out_row + q_off, mask=g_mask[:, None], other=0.0)  # [GP, D]
+    m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, D], tl.float32)
+    m_i, l_i, acc = _attend_range(
+        q, k_cache_ptr, v_cache_ptr, bt_ptr, bt_stride, row, kvh, 0, pos + 1, m_i, l_i, acc, scale_log2,
+        MAX_CTX, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE,
+    )  # fmt: skip
+    tl.debug_barrier()  # every thread has read the staged queries before the result replaces them
+    out = acc / l_i[:, None]
+    tl.store(out_row + q_off, out.to(dtype), mask=g_mask[:, None])
 
 
 @triton.jit
@@ -288,4 +353,45 @@ def paged_decode_attention(
     _merge_splits_kernel[(batch * num_heads,)](
         acc, ml, out, num_splits, NSPLIT_P=triton.next_power_of_2(num_splits), D=head_dim, num_warps=1
     )
+    return out
+
+
+def rope_paged_decode_attention(
+    q: torch.Tensor,  # [B, Hq * D], rows may be strided (column slices of one q|k|v projection)
+    k: torch.Tensor,  # [B, Hkv * D]
+    v: torch.Tensor,
+    positions: torch.Tensor,  # [B] int64: the new token's position; the context is positions + 1
+    cos: torch.Tensor,  # [P, D/2] fp32
+    sin: torch.Tensor,
+    q_norm: torch.Tensor | None,  # Qwen3's per-head norms (None: none)
+    k_norm: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,  # [num_blocks, Hkv, bs, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, MB] int32
+    scale: float,
+    tile: int = DEFAULT_TILE,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """triton_kernels.qk_rope_write_kv followed by paged_decode_attention (no split, no shared
+    prefix), in one kernel; returns [B, Hq * D]."""
+    assert q.stride(1) == k.stride(1) == v.stride(1) == 1
+    batch = q.shape[0]
+    half = cos.shape[1]
+    head_dim = 2 * half
+    num_heads, num_kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    group = num_heads // num_kv_heads
+    out = torch.empty(batch, num_heads * head_dim, dtype=q.dtype, device=q.device)
+    dynamic = os.environ.get("TRITON_INTERPRET") != "1"
+    has_norm = q_norm is not None
+    _rope_paged_decode_kernel[(batch, num_kv_heads)](
+        q, k, v, q.stride(0), k.stride(0), v.stride(0), positions, cos, sin,
+        q_norm if has_norm else q, k_norm if has_norm else k, eps,
+        k_cache, v_cache, block_tables, block_tables.stride(0), out, scale * 1.4426950408889634,
+        MAX_CTX=0 if dynamic else block_tables.shape[1] * k_cache.shape[2], DYNAMIC_LOOP=dynamic,
+        HQ=num_heads, HKV=num_kv_heads, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)),
+        D=head_dim, HALF=half, HALF_P=triton.next_power_of_2(half), BS=k_cache.shape[2], TILE=tile,
+        IEEE=q.dtype == torch.float32, HAS_NORM=has_norm, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
     return out

@@ -153,3 +153,45 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate, up, out, gate.stride(0), up.stride(0), inter, BLOCK=block, num_warps=4
     )
     return out
+
+
+@triton.jit
+def _advance_kernel(
+    new_ptr, lp_ptr, tokens_ptr, positions_ptr, steps_ptr, max_lens_ptr, done_ptr, out_tok_ptr, out_lp_ptr,
+    stop_ptr, batch, out_stride, max_gen, NSTOP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = rows < batch
+    done = tl.load(done_ptr + rows, mask=live, other=1).to(tl.int1)
+    steps = tl.load(steps_ptr + rows, mask=live, other=0)
+    tok = tl.load(new_ptr + rows, mask=live, other=0)
+    lp = tl.load(lp_ptr + rows, mask=live, other=0.0)
+    active = (done == 0) & live
+    column = tl.where(active, steps, max_gen)  # finished rows write to the trash column
+    out_off = rows.to(tl.int64) * out_stride + column
+    tl.store(out_tok_ptr + out_off, tok, mask=live)
+    tl.store(out_lp_ptr + out_off, lp, mask=live)
+    stop_ids = tl.load(stop_ptr + tl.arange(0, NSTOP))
+    stopped = tl.sum((tok[:, None] == stop_ids[None, :]).to(tl.int32), axis=1) > 0
+    one = active.to(tl.int64)
+    new_steps = steps + one
+    max_len = tl.load(max_lens_ptr + rows, mask=live, other=0)
+    now_done = (done != 0) | (active & (stopped | (new_steps >= max_len)))
+    tl.store(done_ptr + rows, now_done.to(tl.int1), mask=live)
+    tl.store(steps_ptr + rows, new_steps, mask=live)
+    pos = tl.load(positions_ptr + rows, mask=live, other=0)
+    tl.store(positions_ptr + rows, pos + one, mask=live)
+    old = tl.load(tokens_ptr + rows, mask=live, other=0)
+    tl.store(tokens_ptr + rows, tl.where(active, tok, old), mask=live)
+
+
+def advance(state, batch: int, new_tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+    """DecodeState.advance in one kernel (its ~14 small PyTorch ops are launch-bound)."""
+    if batch == 0:
+        return
+    block = 256
+    _advance_kernel[(triton.cdiv(batch, block),)](
+        new_tokens, logprobs, state.tokens, state.positions, state.steps, state.max_lens, state.done,
+        state.out_tokens, state.out_logprobs, state.stop_ids, batch, state.out_tokens.stride(0),
+        state.max_gen, NSTOP=state.stop_ids.numel(), BLOCK=block, num_warps=4,
+    )  # fmt: skip
