@@ -113,8 +113,9 @@ def test_kept_graphs_are_replayed_after_sleep_only_on_the_same_addresses():
     the same either way, and the same as a fresh engine's."""
     model = _model(torch.bfloat16, weight_scale=1.0)
     req = GenerationRequest(_prompts(), n=4, max_tokens=[40] * 6, temperature=1.0, seed=5)
-    want = [o.response_ids for o in NativeBackend(model, keep_graphs=False, num_kv_blocks=400).generate(req)]
-    backend = NativeBackend(model, num_kv_blocks=400)
+    # A cache (~330 MB) well above what sleep keeps (cuBLAS workspaces are tens of MiB).
+    want = [o.response_ids for o in NativeBackend(model, keep_graphs=False, num_kv_blocks=20000).generate(req)]
+    backend = NativeBackend(model, num_kv_blocks=20000)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     assert [o.response_ids for o in backend.generate(req)] == want
@@ -123,7 +124,7 @@ def test_kept_graphs_are_replayed_after_sleep_only_on_the_same_addresses():
     backend.sleep()
     torch.cuda.synchronize()
     kept = torch.cuda.memory_allocated() - before
-    assert backend.cache is None and kept < 48 * 2**20 and kept < kv_bytes, (kept, kv_bytes)
+    assert backend.cache is None and kept < 96 * 2**20 and kept < kv_bytes / 3, (kept, kv_bytes)
     assert [o.response_ids for o in backend.generate(req)] == want
     if backend.stats["graphs_reused"]:
         assert backend.stats["capture_s"] == 0.0
