@@ -157,7 +157,7 @@ class NativeBackend:
         that follow them), `capture_s` (CUDA-graph warm-up and capture, inside decode_s), `host_syncs`,
         `graphs_reused` (1 when the call started with decode graphs captured by an earlier one)."""
         start = time.perf_counter()
-        self.stats = {"prepare_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "capture_s": 0.0, "host_syncs": 0, "graphs_reused": 0}
+        self.stats = {"prepare_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "capture_s": 0.0, "host_syncs": 0, "graphs_reused": 0.0}
         captured_before = self.graphs.capture_s
         max_tokens = self._check(request)
         params = SamplingParams(request.temperature, request.top_p, request.top_k)
@@ -266,7 +266,7 @@ class NativeBackend:
             self._graph_key = key
         elif self.graphs.graphs:
             self.graph_reuses += 1
-            self.stats["graphs_reused"] = 1
+            self.stats["graphs_reused"] = 1.0
 
     def _addresses(self) -> tuple:
         """Every device address a captured decode step reads or writes: the graphs are valid exactly
