@@ -247,7 +247,7 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
     trainer.fit(str(data))
     records = read_records(work_dir / "run" / "metrics.jsonl")
     for r in records:
-        print("hybridrl step", r["step"], {k: round(v, 3) for k, v in r.items() if isinstance(v, float) and k.startswith(("timing/", "perf/", "memory/", "actor/kl", "rollout/logprob_diff", "rollout/host_syncs"))}, flush=True)
+        print("hybridrl step", r["step"], {k: round(v, 3) for k, v in r.items() if isinstance(v, float) and k.startswith(("timing/", "perf/", "memory/", "actor/kl", "rollout/logprob_diff", "rollout/host_syncs", "rollout/graphs_reused"))}, flush=True)
     later = records[1:] or records
     mean = lambda key: sum(r[key] for r in later if r.get(key) is not None) / max(1, sum(r.get(key) is not None for r in later))  # noqa: E731
     phases = sorted({k for r in later for k in r if k.startswith("timing/")})

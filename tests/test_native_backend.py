@@ -287,9 +287,9 @@ def test_generate_reports_where_its_time_went():
     request = GenerationRequest(_prompts(), n=2, max_tokens=[12] * 4, temperature=1.0, seed=0, stop_token_ids=[9])
     engine.backend.generate(request)
     stats = engine.backend.stats
-    assert set(stats) == {"prepare_s", "prefill_s", "decode_s", "capture_s", "host_syncs"}
+    assert set(stats) == {"prepare_s", "prefill_s", "decode_s", "capture_s", "host_syncs", "graphs_reused"}
     assert stats["prefill_s"] > 0 and stats["decode_s"] > 0 and stats["host_syncs"] >= 2
-    assert stats["capture_s"] == 0.0  # no CUDA graphs on CPU
+    assert stats["capture_s"] == 0.0 and stats["graphs_reused"] == 0  # no CUDA graphs on CPU
 
 
 def test_shared_prefix_tables_group_rows_by_their_shared_prompt_blocks():

@@ -100,7 +100,7 @@ def test_sleep_releases_memory():
     gc.collect()
     torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
-    backend = NativeBackend(model, kv_cache_fraction=0.05)
+    backend = NativeBackend(model, kv_cache_fraction=0.05, keep_graphs=False)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     backend.wake()
@@ -111,3 +111,37 @@ def test_sleep_releases_memory():
     after = torch.cuda.memory_allocated()
     assert abs(after - before) <= 0.01 * before, (before, after)
     backend.generate(GenerationRequest(_prompts(), n=1, max_tokens=[8] * 6, temperature=0.0))  # wakes itself
+
+
+def test_kept_graphs_are_replayed_after_sleep_only_on_the_same_addresses():
+    """keep_graphs (the default): sleep() frees the KV cache and keeps the decode graphs with the
+    small buffers they read; the next generate replays them when every address they baked in is
+    back (no capture), and captures again when the KV cache came back elsewhere. The samples are
+    the same either way, and the same as a fresh engine's."""
+    model = _model(torch.bfloat16, weight_scale=1.0)
+    req = GenerationRequest(_prompts(), n=4, max_tokens=[40] * 6, temperature=1.0, seed=5)
+    # A cache (~330 MB) well above what sleep keeps (cuBLAS workspaces are tens of MiB).
+    want = [o.response_ids for o in NativeBackend(model, keep_graphs=False, num_kv_blocks=20000).generate(req)]
+    backend = NativeBackend(model, num_kv_blocks=20000)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    assert [o.response_ids for o in backend.generate(req)] == want
+    assert backend.stats["capture_s"] > 0 and backend.stats["graphs_reused"] == 0
+    kv_bytes = backend.cache.k.numel() * backend.cache.k.element_size() * 2
+    backend.sleep()
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - before
+    assert backend.cache is None and kept < 96 * 2**20 and kept < kv_bytes / 3, (kept, kv_bytes)
+    assert [o.response_ids for o in backend.generate(req)] == want
+    if backend.stats["graphs_reused"]:
+        assert backend.stats["capture_s"] == 0.0
+    else:  # the allocator placed the KV cache elsewhere this time: captured again
+        assert backend.stats["capture_s"] > 0
+    # Force the cache to another address (the old one is still held): no replay on it.
+    held = backend.cache
+    backend.sleep()
+    old_key = backend._graph_key
+    assert [o.response_ids for o in backend.generate(req)] == want
+    assert backend.cache.k.data_ptr() != held.k.data_ptr()
+    assert backend._graph_key != old_key and backend.stats["graphs_reused"] == 0 and backend.stats["capture_s"] > 0
+    del held

@@ -245,7 +245,8 @@ class RolloutEngine:
     def pop_stats(self) -> dict[str, float]:
         """Where generation time went since the last call, summed over generate() / sleep() calls:
         `generate_s` (the backend), `postprocess_s` (detokenising into samples), `sleep_s`, and the
-        native backend's own split (`prepare_s`, `prefill_s`, `decode_s`, `capture_s`, `host_syncs`)."""
+        native backend's own split (`prepare_s`, `prefill_s`, `decode_s`, `capture_s`, `host_syncs`,
+        `graphs_reused`)."""
         stats, self.stats = self.stats, {}
         return stats
 

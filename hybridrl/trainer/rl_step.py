@@ -226,7 +226,7 @@ def rollout_metrics(batch: SequenceBatch, samples, max_tokens: int) -> dict[str,
 
 def rollout_engine_metrics(stats: dict[str, float]) -> dict[str, float]:
     """The rollout engine's split of `timing/rollout`: `timing/rollout/<part>` seconds, and counts
-    (`rollout/host_syncs`)."""
+    (`rollout/host_syncs`, `rollout/graphs_reused`)."""
     return {(f"timing/rollout/{k[:-2]}" if k.endswith("_s") else f"rollout/{k}"): v for k, v in stats.items()}
 
 

@@ -53,6 +53,11 @@ class NativeBackend:
         # (shared_prefix.py); CUDA only (the Triton kernels). Off until measured on a GPU.
         shared_prefix_attention: bool = False,
         shared_prefix_splits: int = 0,  # programs per group's shared prefix; 0: chosen per batch (SharedPrefix.splits)
+        # sleep() frees the KV cache but keeps the captured decode graphs and the small buffers they
+        # read (decode state, rope tables, cuBLAS workspaces, the graphs' own memory pool of one
+        # step's activations and logits); the next generate replays them if the KV cache and every
+        # other address they baked in came back the same, and captures again otherwise.
+        keep_graphs: bool = True,
     ):
         if not 0.0 < kv_cache_fraction < 1.0:
             raise ValueError(f"kv_cache_fraction ({kv_cache_fraction}) must be in (0, 1)")
@@ -81,11 +86,14 @@ class NativeBackend:
             fuse_parameters(model.model.layers)
         self.shared_prefix_attention = shared_prefix_attention
         self.shared_prefix_splits = shared_prefix_splits
+        self.keep_graphs = keep_graphs
+        self.graph_reuses = 0  # generate calls that started with graphs captured by an earlier one
         self.cache: PagedKVCache | None = None
         self.state: DecodeState | None = None
         self.stats: dict[str, float] = {}  # where the last generate() spent its time (generate's docstring)
         self.graphs = DecodeGraphs(self._graph_step, self._snapshot, self._restore, buckets)
         self._graph_key: tuple | None = None  # addresses the captured graphs were built on
+        self._last_num_blocks = 0  # KV cache size of the last wake() (kv_cache_fraction sizing)
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -96,19 +104,29 @@ class NativeBackend:
     def wake(self) -> None:
         """Allocates the KV cache (kv_cache_fraction of free GPU memory; on CPU, lazily per request)."""
         if self.cache is None and self.on_cuda:
-            self._allocate_cache(self._gpu_num_blocks())
+            num_blocks = self._gpu_num_blocks()
+            if self.num_kv_blocks is None and 0 < self._last_num_blocks <= num_blocks:
+                num_blocks = self._last_num_blocks  # the same size as last time: a chance of the same address
+            self._last_num_blocks = num_blocks
+            self._allocate_cache(num_blocks)
 
     def sleep(self) -> None:
-        """Frees the KV cache, decode buffers, fused weight copies, graphs and rope tables."""
-        self.graphs.clear()
-        self.cache = self.state = None
-        self.decoder.cos = self.decoder.sin = self.decoder.fused = self.decoder.prefix = None
-        self._graph_key = None
+        """Frees the KV cache. Unless graphs are kept (`keep_graphs`, and the fused weights are
+        views, not copies), also the decode buffers, fused weight copies, graphs and rope tables."""
+        fused = self.decoder.fused
+        keep = self.keep_graphs and self.use_graphs and bool(self.graphs.graphs) and (fused is None or fused.copied == 0)
+        self.cache = None
+        if not keep:
+            self.graphs.clear()
+            self.state = None
+            self.decoder.cos = self.decoder.sin = self.decoder.fused = self.decoder.prefix = None
+            self._graph_key = None
         if self.on_cuda:
-            # cuBLAS workspaces live in PyTorch's allocator (one per stream, ours included); the
-            # next matmul re-creates the ones it needs.
-            torch._C._cuda_clearCublasWorkspaces()
-            torch.cuda.empty_cache()
+            if not keep:
+                # cuBLAS workspaces live in PyTorch's allocator (one per stream, ours included); the
+                # next matmul re-creates the ones it needs. Kept graphs point at theirs.
+                torch._C._cuda_clearCublasWorkspaces()
+            torch.cuda.empty_cache()  # a graph's memory pool stays with its graph
 
     def _gpu_num_blocks(self) -> int:
         if self.num_kv_blocks is not None:
@@ -122,7 +140,7 @@ class NativeBackend:
 
     def _allocate_cache(self, num_blocks: int) -> None:
         s = self.weights.spec
-        self.graphs.clear()
+        # Graphs captured on the old cache are dropped by _prepare's address check, before any replay.
         self.cache = None  # free the old one first
         self.cache = PagedKVCache(
             s.num_layers, num_blocks, s.num_kv_heads, self.block_size, s.head_dim,
@@ -136,9 +154,10 @@ class NativeBackend:
         """Generates every request's samples. `self.stats` then holds where this call's time went
         (host wall seconds between the loop's own host syncs, so measuring adds none): `prepare_s`
         (wake, buffers), `prefill_s`, `decode_s` (graph replays or eager steps, with the host checks
-        that follow them), `capture_s` (CUDA-graph warm-up and capture, inside decode_s), `host_syncs`."""
+        that follow them), `capture_s` (CUDA-graph warm-up and capture, inside decode_s), `host_syncs`,
+        `graphs_reused` (1 when the call started with decode graphs captured by an earlier one)."""
         start = time.perf_counter()
-        self.stats = {"prepare_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "capture_s": 0.0, "host_syncs": 0}
+        self.stats = {"prepare_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0, "capture_s": 0.0, "host_syncs": 0, "graphs_reused": 0.0}
         captured_before = self.graphs.capture_s
         max_tokens = self._check(request)
         params = SamplingParams(request.temperature, request.top_p, request.top_k)
@@ -241,13 +260,24 @@ class NativeBackend:
                 self.decoder.fused = FusedWeights(layers)
             else:
                 self.decoder.fused.refresh(layers)  # views stay views; copies take the latest weights
-        key = (
-            id(self.cache), id(self.state), id(self.decoder.fused), id(self.decoder.prefix), self.decoder.cos.data_ptr(),
-            tuple(t.data_ptr() for t in self.weights.tensors()),
-        )  # fmt: skip
+        key = self._addresses()
         if key != self._graph_key:
             self.graphs.clear()
             self._graph_key = key
+        elif self.graphs.graphs:
+            self.graph_reuses += 1
+            self.stats["graphs_reused"] = 1.0
+
+    def _addresses(self) -> tuple:
+        """Every device address a captured decode step reads or writes: the graphs are valid exactly
+        as long as these stay the same."""
+        d = self.decoder
+        tensors = [self.cache.k, self.cache.v, d.cos, d.sin, *self.state._buffers(), self.state.stop_ids]
+        if d.fused is not None:
+            tensors += d.fused.tensors()
+        if d.prefix is not None:
+            tensors += [t for t in vars(d.prefix).values() if isinstance(t, torch.Tensor)]
+        return tuple(t.data_ptr() for t in tensors) + tuple(t.data_ptr() for t in self.weights.tensors())
 
     def _prefill(self, groups: list[PromptGroup], sched: Scheduler, params: SamplingParams, base_seed: int, n: int) -> None:
         bs, dev = self.block_size, self.device
