@@ -151,6 +151,66 @@ def test_rope_decode_attention_in_one_kernel_equals_the_two(dtype, qk_norm, head
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_kernels_find_the_cache_through_the_address_table(dtype):
+    """With kv_table (kv_cache.CacheAddresses), every cache kernel reads and writes the cache the
+    table points at, bitwise as when given the cache itself; and after point_at() a new cache at
+    another address, the same calls (the same arguments, as a captured graph has them) use the new
+    cache and leave the old one alone."""
+    from hybridrl.rollout.native.kv_cache import CacheAddresses, PagedKVCache
+    from hybridrl.rollout.native.ops_triton import TritonOps
+
+    g = torch.Generator().manual_seed(11)
+    layers, hq, hkv, d, bs, nb, mb, layer = 3, 14, 2, 64, 16, 50, 9, 1
+    pos = torch.tensor([0, 7, 15, 16, 139], device=DEVICE)
+    batch = pos.numel()
+    qkv = torch.randn(batch, (hq + 2 * hkv) * d, generator=g).to(DEVICE, dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    ang = torch.rand(256, d // 2, generator=g).to(DEVICE) * 6
+    cos, sin = ang.cos(), ang.sin()
+    bt = torch.randperm(nb - 1, generator=g)[: batch * mb].view(batch, mb).add(1).to(DEVICE, torch.int32)
+    keys = torch.randn(layers, nb, hkv, bs, d, generator=g).to(DEVICE, dtype)
+    values = torch.randn(layers, nb, hkv, bs, d, generator=g).to(DEVICE, dtype)
+
+    def new_cache():
+        cache = PagedKVCache(layers, nb, hkv, bs, d, dtype, torch.device(DEVICE))
+        cache.k.copy_(keys)
+        cache.v.copy_(values)
+        return cache
+
+    def run(cache, kv_table):
+        """Each cache op once, on `layer`: outputs, then the cache's K and V."""
+        kc, vc = cache.k[layer], cache.v[layer]
+        outs = [triton_kernels.qk_rope_write_kv(q, k, v, pos, cos, sin, None, None, 1e-6, kc, vc, bt, kv_table=kv_table)]
+        for split in (0, 32):
+            outs.append(triton_attention.paged_decode_attention(
+                outs[0], kc, vc, bt, pos + 1, d**-0.5, tile=16, split_tokens=split, kv_table=kv_table))  # fmt: skip
+        outs.append(TritonOps(attention_tile=16).rope_decode_attention(
+            q, k, v, pos, cos, sin, None, None, 1e-6, kc, vc, bt, d**-0.5, kv_table=kv_table))  # fmt: skip
+        return outs + [cache.k.clone(), cache.v.clone()]
+
+    want = run(new_cache(), None)
+    table = CacheAddresses(layers, dtype, torch.device(DEVICE))
+    first = new_cache()
+    table.point_at(first)
+    for got, ref in zip(run(first, table.layer(layer)), want):
+        assert torch.equal(got, ref)
+    second = new_cache()  # another allocation, while the first is still held
+    assert second.k.data_ptr() != first.k.data_ptr()
+    table.point_at(second)
+    first.k.zero_()
+    first.v.zero_()
+    # The arguments a graph captured on `first` would replay: first's tensors (for their shapes),
+    # the table's anchor and layer row. The kernels must find `second` through the table.
+    kc, vc = first.k[layer], first.v[layer]
+    anchor, row = table.layer(layer)
+    got_q = triton_kernels.qk_rope_write_kv(q, k, v, pos, cos, sin, None, None, 1e-6, kc, vc, bt, kv_table=(anchor, row))
+    got_attn = triton_attention.paged_decode_attention(got_q, kc, vc, bt, pos + 1, d**-0.5, tile=16, kv_table=(anchor, row))
+    assert torch.equal(got_q, want[0]) and torch.equal(got_attn, want[1])
+    assert torch.equal(second.k, want[-2]) and torch.equal(second.v, want[-1])
+    assert not first.k.any() and not first.v.any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tile", [16, 64])
 @pytest.mark.parametrize("splits", [1, 2, 3, 5, 0])
 def test_shared_prefix_attention_equals_per_row_attention(dtype, tile, splits):
@@ -190,6 +250,17 @@ def test_shared_prefix_attention_equals_per_row_attention(dtype, tile, splits):
     cascade = triton_attention.paged_decode_attention(q, kc, vc, bt, ctx, d**-0.5, tile=tile, prefix=prefix)
     torch.testing.assert_close(cascade, ref, **_tol(dtype))
     torch.testing.assert_close(cascade, plain, **_tol(dtype))
+    # The same through an address table (kv_cache.CacheAddresses) pointing at a copy of the cache.
+    from hybridrl.rollout.native.kv_cache import CacheAddresses, PagedKVCache
+
+    moved = PagedKVCache(1, nb, hkv, bs, d, dtype, torch.device(DEVICE))
+    moved.k[0], moved.v[0] = kc, vc
+    table = CacheAddresses(1, dtype, torch.device(DEVICE))
+    table.point_at(moved)
+    through = triton_attention.paged_decode_attention(
+        q, kc.new_zeros(kc.shape), vc.new_zeros(vc.shape), bt, ctx, d**-0.5, tile=tile, prefix=prefix, kv_table=table.layer(0)
+    )
+    assert torch.equal(through, cascade)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

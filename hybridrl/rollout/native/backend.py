@@ -19,7 +19,7 @@ from ..types import GeneratedSequence, GenerationRequest, OnFinished, order_sequ
 from .arch import DecoderWeights, supports
 from .cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from .fused import FusedWeights, fuse_parameters
-from .kv_cache import PagedKVCache
+from .kv_cache import CacheAddresses, PagedKVCache
 from .model import NativeDecoder
 from .ops_torch import TorchOps
 from .sampling import SamplingParams, row_keys_from_seeds
@@ -55,8 +55,9 @@ class NativeBackend:
         shared_prefix_splits: int = 0,  # programs per group's shared prefix; 0: chosen per batch (SharedPrefix.splits)
         # sleep() frees the KV cache but keeps the captured decode graphs and the small buffers they
         # read (decode state, rope tables, cuBLAS workspaces, the graphs' own memory pool of one
-        # step's activations and logits); the next generate replays them if the KV cache and every
-        # other address they baked in came back the same, and captures again otherwise.
+        # step's activations and logits); the next generate replays them: the kernels find the new
+        # KV cache through an address table (kv_cache.CacheAddresses). Captured again only when
+        # another address they baked in changed (e.g. a weight tensor replaced).
         keep_graphs: bool = True,
     ):
         if not 0.0 < kv_cache_fraction < 1.0:
@@ -93,7 +94,6 @@ class NativeBackend:
         self.stats: dict[str, float] = {}  # where the last generate() spent its time (generate's docstring)
         self.graphs = DecodeGraphs(self._graph_step, self._snapshot, self._restore, buckets)
         self._graph_key: tuple | None = None  # addresses the captured graphs were built on
-        self._last_num_blocks = 0  # KV cache size of the last wake() (kv_cache_fraction sizing)
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -104,11 +104,7 @@ class NativeBackend:
     def wake(self) -> None:
         """Allocates the KV cache (kv_cache_fraction of free GPU memory; on CPU, lazily per request)."""
         if self.cache is None and self.on_cuda:
-            num_blocks = self._gpu_num_blocks()
-            if self.num_kv_blocks is None and 0 < self._last_num_blocks <= num_blocks:
-                num_blocks = self._last_num_blocks  # the same size as last time: a chance of the same address
-            self._last_num_blocks = num_blocks
-            self._allocate_cache(num_blocks)
+            self._allocate_cache(self._gpu_num_blocks())
 
     def sleep(self) -> None:
         """Frees the KV cache. Unless graphs are kept (`keep_graphs`, and the fused weights are
@@ -119,7 +115,7 @@ class NativeBackend:
         if not keep:
             self.graphs.clear()
             self.state = None
-            self.decoder.cos = self.decoder.sin = self.decoder.fused = self.decoder.prefix = None
+            self.decoder.cos = self.decoder.sin = self.decoder.fused = self.decoder.prefix = self.decoder.kv_table = None
             self._graph_key = None
         if self.on_cuda:
             if not keep:
@@ -140,12 +136,17 @@ class NativeBackend:
 
     def _allocate_cache(self, num_blocks: int) -> None:
         s = self.weights.spec
-        # Graphs captured on the old cache are dropped by _prepare's address check, before any replay.
         self.cache = None  # free the old one first
         self.cache = PagedKVCache(
             s.num_layers, num_blocks, s.num_kv_heads, self.block_size, s.head_dim,
             self.weights.dtype, self.device,
         )  # fmt: skip
+        if self.use_graphs and self.decoder.ops.reads_cache_through_table:
+            # Captured graphs read the cache through the table, which now points at the new cache.
+            # (Without it, graphs captured on the old cache are dropped by _prepare's address check.)
+            if self.decoder.kv_table is None:
+                self.decoder.kv_table = CacheAddresses(s.num_layers, self.weights.dtype, self.device)
+            self.decoder.kv_table.point_at(self.cache)
 
     # ---- generate ------------------------------------------------------------------------------
 
@@ -272,7 +273,8 @@ class NativeBackend:
         """Every device address a captured decode step reads or writes: the graphs are valid exactly
         as long as these stay the same."""
         d = self.decoder
-        tensors = [self.cache.k, self.cache.v, d.cos, d.sin, *self.state._buffers(), self.state.stop_ids]
+        cache = [self.cache.k, self.cache.v] if d.kv_table is None else d.kv_table.tensors()
+        tensors = [*cache, d.cos, d.sin, *self.state._buffers(), self.state.stop_ids]
         if d.fused is not None:
             tensors += d.fused.tensors()
         if d.prefix is not None:

@@ -77,3 +77,40 @@ class PagedKVCache:
         d = torch.tensor(dst, device=self.k.device)
         self.k[:, d] = self.k[:, s]
         self.v[:, d] = self.v[:, s]
+
+
+class CacheAddresses:
+    """Where the Triton decode kernels find each layer's K and V cache: element offsets from a fixed
+    anchor tensor, in a small device buffer the kernels read when they run (triton_kernels.
+    _cache_pointers). A captured decode graph then bakes in the anchor and this buffer instead of
+    the cache, and stays valid when sleep() frees the cache and the next wake() gets it back at
+    another address: `point_at` rewrites the offsets in place."""
+
+    ALIGN = 8  # elements; every offset is a multiple, so the kernels' cache loads stay vectorised
+
+    def __init__(self, num_layers: int, dtype: torch.dtype, device: torch.device):
+        self.anchor = torch.empty(1, dtype=dtype, device=device)
+        self.offsets = torch.zeros(num_layers, 2, dtype=torch.int64, device=device)
+
+    def point_at(self, cache: PagedKVCache) -> None:
+        """The offsets of `cache`'s layers (queued on the current stream, before any graph replay)."""
+        base, size = self.anchor.data_ptr(), self.anchor.element_size()
+        assert cache.k.dtype == self.anchor.dtype and cache.k.shape[0] == self.offsets.shape[0]
+        offsets = []
+        for layer in range(cache.k.shape[0]):
+            for t in (cache.k[layer], cache.v[layer]):
+                delta = t.data_ptr() - base
+                align = self.ALIGN * size
+                assert delta % align == 0, f"cache layer at {t.data_ptr():#x} is not {align}-byte aligned"
+                offsets.append(delta // size)
+        host = torch.tensor(offsets, dtype=torch.int64).view(-1, 2)
+        if self.offsets.is_cuda:  # through pinned memory: no wait for the queue to drain (train/batch.to_device)
+            host = host.pin_memory()
+        self.offsets.copy_(host, non_blocking=True)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(anchor, offsets of `layer`'s K and V): the `kv_table` argument of the Triton decode ops."""
+        return self.anchor, self.offsets[layer]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.anchor, self.offsets]

@@ -26,6 +26,7 @@ class NativeDecoder:
         self.sin: torch.Tensor | None = None
         self.fused: FusedWeights | None = None  # q|k|v and gate|up copies for decode (fused.py)
         self.prefix = None  # SharedPrefix tables: cascade attention over shared prompts (shared_prefix.py)
+        self.kv_table = None  # CacheAddresses: the cache ops find the KV cache through it (kv_cache.py)
 
     def prepare(self, max_positions: int) -> None:
         """(Re)builds the rope tables when longer contexts are needed than seen so far."""
@@ -97,6 +98,7 @@ class NativeDecoder:
             attn = ops.rope_decode_attention(
                 q, k, v, positions, self.cos, self.sin, lw.q_norm, lw.k_norm, spec.rms_eps,
                 cache.k[layer], cache.v[layer], block_tables, spec.scaling, prefix=self.prefix,
+                kv_table=None if self.kv_table is None else self.kv_table.layer(layer),
             )  # fmt: skip
             x = F.linear(attn, lw.o_w, lw.o_b)
             h, residual = ops.add_rms_norm(x, residual, lw.post_norm, spec.rms_eps)

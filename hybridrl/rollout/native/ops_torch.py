@@ -39,6 +39,7 @@ class TorchOps:
     """Decode-step building blocks; every method takes one row per running sequence."""
 
     shared_prefix = False  # whether decode_attention reads SharedPrefix tables (the Triton kernels do)
+    reads_cache_through_table = False  # whether the cache ops honour kv_table (the Triton kernels do)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -60,6 +61,7 @@ class TorchOps:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         block_tables: torch.Tensor,  # [B, MB] int32
+        kv_table=None,  # kv_cache.CacheAddresses.layer(): how the Triton kernels find the cache; unused here
     ) -> torch.Tensor:
         """Qwen3 q/k norm (if any), rotary on q and k, K/V into the cache; returns q [B, Hq, D]."""
         batch, head_dim = q.shape[0], cos.shape[1] * 2
@@ -82,6 +84,7 @@ class TorchOps:
         context_lens: torch.Tensor,  # [B]
         scale: float,
         prefix=None,  # SharedPrefix: only changes how the Triton kernels read shared blocks, not the result
+        kv_table=None,  # as qk_rope_write_kv's
     ) -> torch.Tensor:
         """One query per sequence against its paged context; returns [B, Hq * D]."""
         batch, num_kv_heads, bs, head_dim = q.shape[0], k_cache.shape[1], k_cache.shape[2], q.shape[2]
@@ -97,11 +100,14 @@ class TorchOps:
         return out.reshape(batch, -1)
 
     def rope_decode_attention(self, q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables,
-                              scale, prefix=None) -> torch.Tensor:  # fmt: skip
+                              scale, prefix=None, kv_table=None) -> torch.Tensor:  # fmt: skip
         """`qk_rope_write_kv` then `decode_attention` over the context up to and including the new
         token (positions + 1): one decode step's attention from the q|k|v projection; [B, Hq * D]."""
-        q = self.qk_rope_write_kv(q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables)
-        return self.decode_attention(q, k_cache, v_cache, block_tables, positions + 1, scale, prefix=prefix)
+        q = self.qk_rope_write_kv(
+            q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables, kv_table=kv_table
+        )
+        context = positions + 1
+        return self.decode_attention(q, k_cache, v_cache, block_tables, context, scale, prefix=prefix, kv_table=kv_table)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up

@@ -24,27 +24,34 @@ class TritonOps(TorchOps):
     def add_rms_norm(self, x, residual, weight, eps):
         return triton_kernels.add_rms_norm(x, residual, weight, eps)
 
-    def qk_rope_write_kv(self, q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables):
+    # Every kernel here that touches the KV cache can find it through an address table
+    # (kv_cache.CacheAddresses), so a captured decode graph survives the cache moving.
+    reads_cache_through_table = True
+
+    def qk_rope_write_kv(self, q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables,
+                         kv_table=None):  # fmt: skip
         return triton_kernels.qk_rope_write_kv(
-            q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables
+            q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables, kv_table=kv_table
         )
 
-    def decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale, prefix=None):
+    def decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale, prefix=None, kv_table=None):
         return triton_attention.paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale,
             tile=self.attention_tile, num_warps=self.attention_warps, split_tokens=self.attention_split,
             prefix=prefix if self.attention_split == 0 else None,  # flash-decoding splits read the whole context
+            kv_table=kv_table,
         )  # fmt: skip
 
     def rope_decode_attention(self, q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables,
-                              scale, prefix=None):  # fmt: skip
+                              scale, prefix=None, kv_table=None):  # fmt: skip
         if prefix is not None or self.attention_split:  # those kernels read the rotated q of every row
             return super().rope_decode_attention(
-                q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables, scale, prefix=prefix
-            )
+                q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables, scale,
+                prefix=prefix, kv_table=kv_table,
+            )  # fmt: skip
         return triton_attention.rope_paged_decode_attention(
             q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables, scale,
-            tile=self.attention_tile, num_warps=self.attention_warps,
+            tile=self.attention_tile, num_warps=self.attention_warps, kv_table=kv_table,
         )  # fmt: skip
 
     def silu_mul(self, gate, up):

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import _rms_rope_heads
+from .triton_kernels import _cache_args, _cache_pointers, _rms_rope_heads
 
 # Tokens per inner-loop tile; several cache blocks are gathered per tile so the loop is short.
 DEFAULT_TILE = 128
@@ -96,7 +96,9 @@ def _paged_decode_kernel(
     MAX_CTX: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
     IEEE: tl.constexpr, HAS_PREFIX: tl.constexpr, PREFIX_TILE: tl.constexpr,
+    kv_off_ptr, KV_TABLE: tl.constexpr,
 ):  # fmt: skip
+    k_ptr, v_ptr = _cache_pointers(k_ptr, v_ptr, kv_off_ptr, KV_TABLE)
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     ctx = tl.load(ctx_ptr + row)
@@ -135,11 +137,13 @@ def _rope_paged_decode_kernel(
     MAX_CTX: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
     BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, HAS_NORM: tl.constexpr,
+    kv_off_ptr, KV_TABLE: tl.constexpr,
 ):  # fmt: skip
     """_qk_rope_write_kv_kernel and _paged_decode_kernel as one program per (sequence, KV head):
     the program rotates its query heads and its KV head's new key, writes the new key and value
     into the cache, and attends over the context including them. Same arithmetic, one launch fewer
     per layer. The rotated queries are staged in the row's output slot (overwritten by the result)."""
+    k_cache_ptr, v_cache_ptr = _cache_pointers(k_cache_ptr, v_cache_ptr, kv_off_ptr, KV_TABLE)
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
@@ -197,6 +201,7 @@ def _shared_prefix_kernel(
     SPAN: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, MEMBERS: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
+    kv_off_ptr, KV_TABLE: tl.constexpr,
 ):  # fmt: skip
     """Cascade attention over a shared prompt (Juravsky et al. 2024, "Hydragen"; FlashInfer's
     cascade): program (group, KV head, split) attends the query heads of every member row of the
@@ -205,6 +210,7 @@ def _shared_prefix_kernel(
     left most SMs idle (NOTES.md), so the prefix's tiles are cut into up to NSPLIT contiguous
     chunks, one per program; each leaves its rows' unnormalised partial softmax state, which
     _paged_decode_kernel merges."""
+    k_ptr, v_ptr = _cache_pointers(k_ptr, v_ptr, kv_off_ptr, KV_TABLE)
     grp = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -243,9 +249,11 @@ def _paged_decode_split_kernel(
     SPLIT: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     TILE: tl.constexpr, IEEE: tl.constexpr,
+    kv_off_ptr, KV_TABLE: tl.constexpr,
 ):  # fmt: skip
     """Flash-decoding (Dao et al. 2023): program (row, kv head, split) attends to the tokens
     [split * SPLIT, (split + 1) * SPLIT) and leaves an unnormalised partial for the merge."""
+    k_ptr, v_ptr = _cache_pointers(k_ptr, v_ptr, kv_off_ptr, KV_TABLE)
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -298,8 +306,10 @@ def paged_decode_attention(
     split_tokens: int = 0,  # > 0: flash-decoding over splits of this many tokens (a multiple of tile)
     prefix=None,  # a SharedPrefix (shared_prefix.py): cascade attention over each group's shared prompt
     prefix_tile: int = 32,  # the shared-prefix kernel's tile (at most `tile`): smaller tiles, more chunks
+    kv_table: tuple[torch.Tensor, torch.Tensor] | None = None,  # CacheAddresses.layer(): the cache found through it
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
+    k_arg, v_arg, table = _cache_args(k_cache, v_cache, kv_table)
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty(batch, num_heads * head_dim, dtype=q.dtype, device=q.device)
@@ -327,8 +337,8 @@ def paged_decode_attention(
             group_p = max(triton.next_power_of_2(group), triton.cdiv(16, members))  # >= 16 rows for tl.dot
             span = triton.cdiv(max_tiles, splits) * ptile  # the longest chunk, for the interpreter's loop
             _shared_prefix_kernel[(entries, num_kv_heads, splits)](
-                q, k_cache, v_cache, block_tables, block_tables.stride(0), prefix.group_rows, prefix.group_prefix,
-                prefix.acc, prefix.ml, scale_log2, splits, SPAN=0 if dynamic else span, DYNAMIC_LOOP=dynamic,
+                q, k_arg, v_arg, block_tables, block_tables.stride(0), prefix.group_rows, prefix.group_prefix,
+                prefix.acc, prefix.ml, scale_log2, splits, **table, SPAN=0 if dynamic else span, DYNAMIC_LOOP=dynamic,
                 HQ=num_heads, HKV=num_kv_heads, GROUP=group, GROUP_P=group_p, MEMBERS=members, D=head_dim,
                 BS=block_size, TILE=ptile, IEEE=consts["IEEE"], num_warps=num_warps, num_stages=num_stages,
             )  # fmt: skip
@@ -339,16 +349,16 @@ def paged_decode_attention(
         else:  # unused pointers
             extra = dict(pre_ptr=context_lens, pacc_ptr=out, pml_ptr=out, NSPLIT=1, HAS_PREFIX=False, PREFIX_TILE=tile)
         _paged_decode_kernel[(batch, num_kv_heads)](
-            q, k_cache, v_cache, block_tables, block_tables.stride(0), context_lens, out, scale_log2,
-            MAX_CTX=0 if dynamic else max_ctx, DYNAMIC_LOOP=dynamic, **extra, **consts,
+            q, k_arg, v_arg, block_tables, block_tables.stride(0), context_lens, out, scale_log2,
+            MAX_CTX=0 if dynamic else max_ctx, DYNAMIC_LOOP=dynamic, **extra, **table, **consts,
         )  # fmt: skip
         return out
     assert split_tokens % tile == 0, "split_tokens must be a multiple of the tile"
     acc = torch.empty(batch * num_heads * num_splits, head_dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(batch * num_heads * num_splits, 2, dtype=torch.float32, device=q.device)
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, block_tables.stride(0), context_lens, acc, ml, scale_log2,
-        num_splits, SPLIT=split_tokens, DYNAMIC_LOOP=dynamic, **consts,
+        q, k_arg, v_arg, block_tables, block_tables.stride(0), context_lens, acc, ml, scale_log2,
+        num_splits, SPLIT=split_tokens, DYNAMIC_LOOP=dynamic, **table, **consts,
     )  # fmt: skip
     _merge_splits_kernel[(batch * num_heads,)](
         acc, ml, out, num_splits, NSPLIT_P=triton.next_power_of_2(num_splits), D=head_dim, num_warps=1
@@ -373,9 +383,11 @@ def rope_paged_decode_attention(
     tile: int = DEFAULT_TILE,
     num_warps: int = 4,
     num_stages: int = 2,
+    kv_table: tuple[torch.Tensor, torch.Tensor] | None = None,  # as paged_decode_attention's
 ) -> torch.Tensor:
     """triton_kernels.qk_rope_write_kv followed by paged_decode_attention (no split, no shared
     prefix), in one kernel; returns [B, Hq * D]."""
+    k_arg, v_arg, table = _cache_args(k_cache, v_cache, kv_table)
     assert q.stride(1) == k.stride(1) == v.stride(1) == 1
     batch = q.shape[0]
     half = cos.shape[1]
@@ -388,7 +400,7 @@ def rope_paged_decode_attention(
     _rope_paged_decode_kernel[(batch, num_kv_heads)](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), positions, cos, sin,
         q_norm if has_norm else q, k_norm if has_norm else k, eps,
-        k_cache, v_cache, block_tables, block_tables.stride(0), out, scale * 1.4426950408889634,
+        k_arg, v_arg, block_tables, block_tables.stride(0), out, scale * 1.4426950408889634, **table,
         MAX_CTX=0 if dynamic else block_tables.shape[1] * k_cache.shape[2], DYNAMIC_LOOP=dynamic,
         HQ=num_heads, HKV=num_kv_heads, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)),
         D=head_dim, HALF=half, HALF_P=triton.next_power_of_2(half), BS=k_cache.shape[2], TILE=tile,

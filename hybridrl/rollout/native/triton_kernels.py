@@ -68,14 +68,36 @@ def _rms_rope_heads(x1, x2, w_ptr, c, s, hd, hd_mask, eps, D: tl.constexpr, HALF
 
 
 @triton.jit
+def _cache_pointers(k_ptr, v_ptr, kv_off_ptr, KV_TABLE: tl.constexpr):
+    """The K and V cache pointers of a kernel: as passed, or (KV_TABLE) the anchor passed as both
+    moved by this layer's element offsets, read at run time from the address table
+    (kv_cache.CacheAddresses); the offsets are multiples of 8 elements, so loads stay vectorised."""
+    if KV_TABLE:
+        k_ptr += tl.multiple_of(tl.load(kv_off_ptr), 8)
+        v_ptr += tl.multiple_of(tl.load(kv_off_ptr + 1), 8)
+    return k_ptr, v_ptr
+
+
+def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_table) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The K / V pointer arguments of a kernel and its address-table arguments: the cache itself, or
+    (kv_table given) the table's anchor for both and this layer's offsets (_cache_pointers)."""
+    if kv_table is None:
+        return k_cache, v_cache, dict(kv_off_ptr=k_cache, KV_TABLE=False)  # kv_off_ptr unused
+    anchor, offsets = kv_table
+    assert anchor.dtype == k_cache.dtype == v_cache.dtype, "the anchor's type is the cache's"
+    return anchor, anchor, dict(kv_off_ptr=offsets, KV_TABLE=True)
+
+
+@triton.jit
 def _qk_rope_write_kv_kernel(
     q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
     q_out_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, bt_stride,
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr,
     D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, BS: tl.constexpr,
-    HAS_NORM: tl.constexpr,
+    HAS_NORM: tl.constexpr, kv_off_ptr, KV_TABLE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
+    k_cache_ptr, v_cache_ptr = _cache_pointers(k_cache_ptr, v_cache_ptr, kv_off_ptr, KV_TABLE)
     dtype = q_out_ptr.dtype.element_ty
     pos = tl.load(pos_ptr + row)
     hd = tl.arange(0, HALF_P)
@@ -109,10 +131,12 @@ def _qk_rope_write_kv_kernel(
 
 
 def qk_rope_write_kv(
-    q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables
+    q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables, kv_table=None
 ) -> torch.Tensor:
     """See TorchOps.qk_rope_write_kv; one program per sequence. q / k / v may be column slices of
-    one fused q|k|v output (rows strided, heads contiguous)."""
+    one fused q|k|v output (rows strided, heads contiguous). kv_table: as
+    triton_attention.paged_decode_attention's."""
+    k_arg, v_arg, table = _cache_args(k_cache, v_cache, kv_table)
     assert q.stride(1) == k.stride(1) == v.stride(1) == 1
     batch = q.shape[0]
     half = cos.shape[1]
@@ -123,7 +147,7 @@ def qk_rope_write_kv(
     _qk_rope_write_kv_kernel[(batch,)](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), positions, cos, sin,
         q_norm if has_norm else q, k_norm if has_norm else k, eps,
-        q_out, k_cache, v_cache, block_tables, block_tables.stride(0),
+        q_out, k_arg, v_arg, block_tables, block_tables.stride(0), **table,
         HQ=num_heads, HKV=num_kv_heads, HQ_P=triton.next_power_of_2(num_heads),
         HKV_P=triton.next_power_of_2(num_kv_heads), D=head_dim, HALF=half,
         HALF_P=triton.next_power_of_2(half), BS=k_cache.shape[2], HAS_NORM=has_norm, num_warps=4,
