@@ -23,7 +23,7 @@ from .kv_cache import PagedKVCache
 from .model import NativeDecoder
 from .ops_torch import TorchOps
 from .sampling import SamplingParams, row_keys_from_seeds
-from .scheduler import PromptGroup, Scheduler, blocks_for
+from .scheduler import PromptGroup, RunningSequence, Scheduler, blocks_for
 from .shared_prefix import SharedPrefix
 from .state import DecodeState
 
@@ -299,18 +299,10 @@ class NativeBackend:
         if finished:
             idx = torch.tensor(finished, device=self.device)
             tokens, logprobs = state.out_tokens[idx].cpu(), state.out_logprobs[idx].cpu()
-            for r, slot in enumerate(finished):
-                seq = sched.finish(slot)
+            seqs = [sched.finish(slot) for slot in finished]
+            for slot in finished:
                 remaining.pop(slot, None)
-                length = steps[slot]
-                response = tokens[r, :length].tolist()
-                out = GeneratedSequence(
-                    prompt_index=seq.group.prompt_index,
-                    sample_index=seq.sample_index,
-                    response_ids=response,
-                    response_logprobs=logprobs[r, :length].tolist(),
-                    finish_reason="stop" if response[-1] in stop_set else "length",
-                )
+            for out in finished_sequences(seqs, tokens, logprobs, [steps[slot] for slot in finished], stop_set):
                 results.append(out)
                 if on_finished is not None:
                     on_finished(out)
@@ -336,3 +328,21 @@ class NativeBackend:
 
     def _restore(self, saved) -> None:
         self.state.restore(saved)
+
+
+def finished_sequences(
+    seqs: list[RunningSequence], tokens: torch.Tensor, logprobs: torch.Tensor, lengths: list[int], stop_set: set[int]
+) -> list[GeneratedSequence]:
+    """The finished rows as `GeneratedSequence`s: row r of `tokens` / `logprobs` (CPU, `[F, >= max
+    length]`) holds `seqs[r]`'s first `lengths[r]` tokens and their log-probs."""
+    out = []
+    for r, seq in enumerate(seqs):
+        response = tokens[r, : lengths[r]].tolist()
+        out.append(GeneratedSequence(
+            prompt_index=seq.group.prompt_index,
+            sample_index=seq.sample_index,
+            response_ids=response,
+            response_logprobs=logprobs[r, : lengths[r]].tolist(),
+            finish_reason="stop" if response[-1] in stop_set else "length",
+        ))  # fmt: skip
+    return out
