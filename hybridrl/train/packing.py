@@ -80,10 +80,12 @@ def _rows(batch: SequenceBatch) -> _Rows:
     ids_h, mask_h, resp_h = batch.host_view()  # no device sync (batch.py)
     prompt_lens = mask_h[:, :P].sum(1).tolist()
     response_lens = resp_h.sum(1).long().tolist()
-    ids = ids_h[:, :P].tolist()
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for b, (row, n) in enumerate(zip(ids, prompt_lens)):
-        groups.setdefault(tuple(row[P - n :]), []).append(b)
+    # A prompt's bytes are its key: equal bytes of one dtype are equal tokens, and the rows never
+    # become Python ints (65k of them at 256 rows x 256 prompt tokens: 1.3 ms).
+    ids = ids_h[:, :P].numpy()
+    groups: dict[bytes, list[int]] = {}
+    for b, n in enumerate(prompt_lens):
+        groups.setdefault(ids[b, P - n :].tobytes(), []).append(b)
     return _Rows(prompt_lens, response_lens, list(groups.values()))
 
 
