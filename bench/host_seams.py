@@ -8,6 +8,11 @@ and the start of the reference and training passes (`_rows`, `plan_micro_batches
 micro-batch `select`, `pack_sequences`, `micro_batch_work`). Token ids are random (fixed seed);
 most responses have the full length, as in the benchmark. The table gives milliseconds per call,
 median and best of `--repeats`.
+
+The figures depend on glibc's allocator state: arrays over its mmap threshold (128 KiB at first,
+raised as such blocks are freed) come as fresh pages, and the page faults can double a number
+from one process to the next (packing a 30k-token micro-batch: 0.8 or 2 ms). For figures that
+compare code, fix the thresholds: MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=268435456.
 """
 
 from __future__ import annotations
