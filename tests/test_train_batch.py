@@ -65,3 +65,8 @@ def test_build_sequence_batch_of_no_rows_fails_as_before():
     with pytest.raises(ValueError) as want:
         _reference_build_sequence_batch([], [], 0)
     assert str(got.value) == str(want.value)
+
+
+def test_one_response_per_prompt_row():
+    with pytest.raises(ValueError, match="3 prompts but 2 responses"):
+        build_sequence_batch([[1], [2], [3]], [[4], [5]], pad_id=0)

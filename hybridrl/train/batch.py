@@ -111,6 +111,8 @@ def rows_on(index: Sequence[int], device: torch.device) -> torch.Tensor:
 def build_sequence_batch(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int) -> SequenceBatch:
     """Pads prompts on the left and responses on the right into one batch."""
     B = len(prompt_ids)
+    if len(response_ids) != B:
+        raise ValueError(f"{B} prompts but {len(response_ids)} responses: give one response per prompt row")
     P = max(len(p) for p in prompt_ids)
     T = max(1, max(len(r) for r in response_ids))
     # The samples of a prompt share one list (RolloutEngine.generate): each distinct list is read once.
