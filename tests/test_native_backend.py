@@ -9,7 +9,9 @@ import torch
 import transformers
 
 from hybridrl.rollout.native import NativeBackend
-from hybridrl.rollout.types import GenerationRequest
+from hybridrl.rollout.native.backend import finished_sequences
+from hybridrl.rollout.native.scheduler import PromptGroup, RunningSequence
+from hybridrl.rollout.types import GeneratedSequence, GenerationRequest
 
 VOCAB = 96
 
@@ -400,3 +402,34 @@ def test_sampled_token_is_a_function_of_seed_step_and_logits_only():
             assert alone.item() == tok[row].item()
         assert not torch.equal(sample(logits, keys, steps + 1, params)[0], tok)
         assert not torch.equal(sample(logits, keys ^ 1, steps, params)[0], tok)
+
+
+def _reference_finished_sequences(seqs, tokens, logprobs, lengths, stop_set):
+    """The per-row torch version `_collect` had before it read the rows as numpy slices."""
+    out = []
+    for r, seq in enumerate(seqs):
+        response = tokens[r, : lengths[r]].tolist()
+        out.append(GeneratedSequence(
+            prompt_index=seq.group.prompt_index, sample_index=seq.sample_index, response_ids=response,
+            response_logprobs=logprobs[r, : lengths[r]].tolist(),
+            finish_reason="stop" if response[-1] in stop_set else "length",
+        ))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_finished_sequences_match_the_per_row_reference(seed):
+    """Finished rows (lengths 1 .. the block's width, stopped or not) become the same sequences:
+    same ids and log-probs (floats bit for bit), finish reasons, order."""
+    g = torch.Generator().manual_seed(seed)
+    rows, width = int(torch.randint(1, 20, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g))
+    tokens = torch.randint(0, 8, (rows, width + 1), generator=g)
+    logprobs = -torch.rand(rows, width + 1, generator=g) * 10
+    lengths = torch.randint(1, width + 1, (rows,), generator=g).tolist()
+    groups = [PromptGroup(i, [1, 2], width, 4) for i in range(3)]
+    seqs = [RunningSequence(groups[r % 3], r // 3, slot=r) for r in range(rows)]
+    stop_set = {0, 3} if seed % 2 else set()
+    got = finished_sequences(seqs, tokens, logprobs, lengths, stop_set)
+    assert got == _reference_finished_sequences(seqs, tokens, logprobs, lengths, stop_set)
+    assert all(type(x) is int for s in got for x in s.response_ids)
+    assert all(type(x) is float for s in got for x in s.response_logprobs)

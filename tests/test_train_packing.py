@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -10,9 +11,9 @@ from transformers import AutoModelForCausalLM
 
 from hybridrl.models import load_critic
 from hybridrl.train.attention import BLOCK, _block_mask, enable_packed_attention, varlen_attention, packed_attention_mask
-from hybridrl.train.batch import build_sequence_batch
+from hybridrl.train.batch import build_sequence_batch, split_indices
 from hybridrl.train.logprobs import response_logprobs, response_values
-from hybridrl.train.packing import micro_batch_work, pack_sequences, plan_micro_batches
+from hybridrl.train.packing import PackedLayout, Work, _bucket, _rows, _Rows, micro_batch_work, pack_sequences, plan_micro_batches
 
 
 def _batch(num_prompts=4, n=3, seed=0, max_response=7):
@@ -269,3 +270,172 @@ def test_work_counts_a_shared_prompt_once():
     # pairs: prompt 4*5/2 = 10; responses 2*4 + 3 = 11 and 1*4 + 1 = 5
     assert packed.attention_pairs == 26
     assert padded.attention_pairs == 6 * 7 // 2 + 5 * 6 // 2
+
+
+# ---- the host-side layout against straightforward references -------------------------------------
+# The references are the loop versions packing.py had before its layout was built with whole-array
+# index arithmetic; every field must come out exactly equal.
+
+
+def _reference_rows(batch):
+    P = batch.prompt_width
+    ids_h, mask_h, resp_h = batch.host_view()
+    prompt_lens = mask_h[:, :P].sum(1).tolist()
+    response_lens = resp_h.sum(1).long().tolist()
+    ids = ids_h[:, :P].tolist()
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for b, (row, n) in enumerate(zip(ids, prompt_lens)):
+        groups.setdefault(tuple(row[P - n :]), []).append(b)
+    return _Rows(prompt_lens, response_lens, list(groups.values()))
+
+
+def _reference_pack_sequences(batch, *, pad_to_multiple=1):
+    rows = _reference_rows(batch)
+    P, T = batch.prompt_width, batch.response_mask.shape[1]
+    ids_cpu = batch.host_view()[0]
+    pieces, positions, docs, branches, logit_index, labels, target = [], [], [], [], [], [], []
+    seg_q, seg_k, kv_pieces = [0], [0], []
+    cursor = 0
+    for g, group in enumerate(rows.groups):
+        n_prompt = rows.prompt_lens[group[0]]
+        pieces.append(ids_cpu[group[0], P - n_prompt : P])
+        positions.append(torch.arange(n_prompt))
+        docs.append(torch.full((n_prompt,), g))
+        branches.append(torch.zeros(n_prompt, dtype=torch.long))
+        prompt_keys = torch.arange(cursor, cursor + n_prompt)
+        kv_pieces.append(prompt_keys)
+        seg_q.append(seg_q[-1] + n_prompt)
+        seg_k.append(seg_k[-1] + n_prompt)
+        prompt_last = cursor + n_prompt - 1
+        cursor += n_prompt
+        for k, b in enumerate(group, start=1):
+            n = rows.response_lens[b]
+            if n == 0:
+                continue
+            tokens = ids_cpu[b, P : P + n]
+            pieces.append(tokens)
+            positions.append(torch.arange(n_prompt, n_prompt + n))
+            docs.append(torch.full((n,), g))
+            branches.append(torch.full((n,), k))
+            logit_index.append(torch.cat([torch.tensor([prompt_last]), torch.arange(cursor, cursor + n - 1)]))
+            labels.append(tokens)
+            target.append(torch.arange(b * T, b * T + n))
+            kv_pieces += [prompt_keys, torch.arange(cursor, cursor + n)]
+            seg_q.append(seg_q[-1] + n)
+            seg_k.append(seg_k[-1] + n_prompt + n)
+            cursor += n
+    num_tokens = cursor
+    pad = -num_tokens % pad_to_multiple
+    if pad:
+        pieces.append(torch.zeros(pad, dtype=torch.long))
+        positions.append(torch.zeros(pad, dtype=torch.long))
+        docs.append(torch.full((pad,), -1))
+        branches.append(torch.zeros(pad, dtype=torch.long))
+        kv_pieces.append(torch.arange(cursor, cursor + pad))
+        seg_q.append(seg_q[-1] + pad)
+        seg_k.append(seg_k[-1] + pad)
+    empty = torch.zeros(0, dtype=torch.long)
+    cu_q, cu_k = torch.tensor(seg_q, dtype=torch.int32), torch.tensor(seg_k, dtype=torch.int32)
+    return PackedLayout(
+        input_ids=torch.cat(pieces)[None],
+        position_ids=torch.cat(positions)[None],
+        doc_ids=torch.cat(docs),
+        branch_ids=torch.cat(branches),
+        logit_index=torch.cat(logit_index) if logit_index else empty,
+        labels=torch.cat(labels) if labels else empty,
+        target_index=torch.cat(target) if target else empty,
+        num_tokens=num_tokens,
+        cu_seq_q=cu_q,
+        cu_seq_k=cu_k,
+        kv_index=torch.cat(kv_pieces) if kv_pieces else empty,
+        max_q=_bucket(int((cu_q[1:] - cu_q[:-1]).max()) if len(seg_q) > 1 else 1),
+        max_k=_bucket(int((cu_k[1:] - cu_k[:-1]).max()) if len(seg_k) > 1 else 1),
+    )
+
+
+def _reference_group_cost(prompt_len, response_lens):
+    tokens = prompt_len + sum(response_lens)
+    pairs = prompt_len * (prompt_len + 1) // 2 + sum(r * prompt_len + r * (r + 1) // 2 for r in response_lens)
+    return tokens, pairs
+
+
+def _reference_micro_batch_work(batch):
+    rows = _reference_rows(batch)
+    logit_tokens = sum(rows.response_lens)
+    if batch.packed:
+        costs = [_reference_group_cost(rows.prompt_lens[g[0]], [rows.response_lens[b] for b in g]) for g in rows.groups]
+    else:
+        costs = [_reference_group_cost(rows.prompt_lens[b] + rows.response_lens[b], []) for b in range(batch.size)]
+    return Work(sum(c[0] for c in costs), logit_tokens, sum(c[1] for c in costs))
+
+
+def _reference_plan_micro_batches(batch, *, micro_batch_size, max_tokens):
+    rows = _reference_rows(batch)
+    order = [b for g in rows.groups for b in g] if batch.packed else list(range(batch.size))
+    if not max_tokens:
+        return [[order[i] for i in idx] for idx in split_indices(len(order), micro_batch_size)]
+    group_of = {b: g for g, group in enumerate(rows.groups) for b in group}
+    plans, current = [], []
+    used, open_groups, widest_prompt, widest_response = 0, set(), 0, 0
+    for b in order:
+        p, r = rows.prompt_lens[b], rows.response_lens[b]
+        if batch.packed:
+            cost = used + r + (0 if group_of[b] in open_groups else p)
+        else:
+            cost = (len(current) + 1) * (max(widest_prompt, p) + max(widest_response, r))
+        if current and cost > max_tokens:
+            plans.append(current)
+            current, used, open_groups, widest_prompt, widest_response = [], 0, set(), 0, 0
+            cost = r + p if batch.packed else p + r
+        current.append(b)
+        used = cost
+        open_groups.add(group_of[b])
+        widest_prompt, widest_response = max(widest_prompt, p), max(widest_response, r)
+    if current:
+        plans.append(current)
+    return plans
+
+
+def _random_batch(seed: int):
+    """A shuffled batch of prompt groups with every awkward case: prompts of different lengths (some
+    holding the pad id, two prompts equal but for a leading pad-id token), empty responses, a group
+    whose responses are all empty, one response far longer than the rest."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 9) for _ in range(rng.randint(1, 8))] for _ in range(rng.randint(1, 6))]
+    if rng.random() < 0.3:
+        prompts.append([0] + prompts[0])  # same tokens after the pad id: a different prompt
+    rows = []
+    for prompt in prompts:
+        longest = rng.choice([0, 1, 5, 12])
+        for _ in range(rng.randint(1, 4)):
+            rows.append((prompt, [rng.randint(0, 9) for _ in range(rng.randint(0, longest))]))
+    if rng.random() < 0.3:
+        rows[rng.randrange(len(rows))] = (prompts[0], [rng.randint(0, 9) for _ in range(40)])
+    rng.shuffle(rows)
+    batch = build_sequence_batch([p for p, _ in rows], [r for _, r in rows], pad_id=rng.choice([0, 3]))
+    return dataclasses.replace(batch, packed=rng.random() < 0.5)
+
+
+def _assert_layouts_equal(got, want):
+    for f in dataclasses.fields(want):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if isinstance(b, torch.Tensor):
+            assert a.dtype == b.dtype and a.device == b.device and torch.equal(a, b), f.name
+        else:
+            assert a == b, f.name
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_host_layout_matches_the_loop_reference(seed):
+    """_rows, plan_micro_batches, micro_batch_work and pack_sequences (pad_to_multiple 1, 4, BLOCK)
+    over a whole batch and over its trimmed micro-batches (groups split across them, a response
+    over the budget alone) equal the loop references field by field."""
+    batch = _random_batch(seed)
+    budget = random.Random(seed).choice([None, 1, 6, 15, 40, 1000])
+    plans = plan_micro_batches(batch, micro_batch_size=3, max_tokens=budget)
+    assert plans == _reference_plan_micro_batches(batch, micro_batch_size=3, max_tokens=budget)
+    for micro in [batch] + [batch.select(plan) for plan in plans]:
+        assert _rows(micro) == _reference_rows(micro)
+        assert micro_batch_work(micro) == _reference_micro_batch_work(micro)
+        for pad in (1, 4, BLOCK):
+            _assert_layouts_equal(pack_sequences(micro, pad_to_multiple=pad), _reference_pack_sequences(micro, pad_to_multiple=pad))

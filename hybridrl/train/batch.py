@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, fields, replace
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -110,31 +111,47 @@ def rows_on(index: Sequence[int], device: torch.device) -> torch.Tensor:
 def build_sequence_batch(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int) -> SequenceBatch:
     """Pads prompts on the left and responses on the right into one batch."""
     B = len(prompt_ids)
+    if len(response_ids) != B:
+        raise ValueError(f"{B} prompts but {len(response_ids)} responses: give one response per prompt row")
     P = max(len(p) for p in prompt_ids)
     T = max(1, max(len(r) for r in response_ids))
-    # Filled in numpy, row slice by row slice: per-row torch calls cost ~0.1 ms a row at 256 rows.
+    # The samples of a prompt share one list (RolloutEngine.generate): each distinct list is read once.
+    distinct = {id(p): p for p in prompt_ids}
+    slot = {key: i for i, key in enumerate(distinct)}
+    prompt_mask = _left_aligned([len(p) for p in distinct.values()], P)[:, ::-1]  # [D, P] left padding
+    prompts = np.full((len(distinct), P), pad_id, dtype=np.int64)
+    prompts[prompt_mask] = _flat(distinct.values(), np.int64, int(prompt_mask.sum()))
+    rows = [slot[id(p)] for p in prompt_ids]
+    response_mask = _left_aligned([len(r) for r in response_ids], T)  # [B, T]
     input_ids = np.full((B, P + T), pad_id, dtype=np.int64)
+    input_ids[:, :P] = prompts[rows]
+    input_ids[:, P:][response_mask] = _flat(response_ids, np.int64, int(response_mask.sum()))
     attention_mask = np.zeros((B, P + T), dtype=np.int64)
-    response_mask = np.zeros((B, T), dtype=np.float32)
-    for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        input_ids[b, P - len(p) : P] = p
-        attention_mask[b, P - len(p) : P] = 1
-        if len(r):
-            input_ids[b, P : P + len(r)] = r
-            attention_mask[b, P : P + len(r)] = 1
-            response_mask[b, : len(r)] = 1
+    attention_mask[:, :P], attention_mask[:, P:] = prompt_mask[rows], response_mask
     attention_mask = torch.from_numpy(attention_mask)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return SequenceBatch(torch.from_numpy(input_ids), attention_mask, position_ids, torch.from_numpy(response_mask), P)
+    position_ids = attention_mask.cumsum(-1).sub_(1).clamp_(min=0)
+    return SequenceBatch(torch.from_numpy(input_ids), attention_mask, position_ids, torch.from_numpy(response_mask.astype(np.float32)), P)
 
 
 def pad_per_token(values: Sequence[Sequence[float]], width: int) -> torch.Tensor:
     """Right-pads ragged per-token floats (e.g. rollout log-probs) into `[B, width]`."""
+    # Row by row: reading the Python floats is the cost (1.5 ms at 256 x 512), one pass or many.
     out = np.zeros((len(values), width), dtype=np.float32)
     for b, v in enumerate(values):
         if len(v):
             out[b, : len(v)] = v
     return torch.from_numpy(out)
+
+
+def _left_aligned(lengths: list[int], width: int) -> np.ndarray:
+    """`[len(lengths), width]` bool, True on the first lengths[b] columns of row b."""
+    return np.arange(width) < np.array(lengths, dtype=np.int64).reshape(-1, 1)
+
+
+def _flat(rows: Iterable[Iterable], dtype: type, count: int) -> np.ndarray:
+    """The rows' values end to end, read in one pass (np.fromiter): faster than a numpy conversion
+    per row (1.4 ms instead of 2.0 for 256 rows of 512 tokens)."""
+    return np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=count)
 
 
 def split_indices(num: int, chunk: int) -> list[list[int]]:
