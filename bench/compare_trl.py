@@ -289,6 +289,8 @@ def run_trl(w: Workload, model_dir: Path, prompts: list[str], steps: int, device
             if device == "cuda":
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.start)
+            # As it happens: a run cut short (a time limit) still shows the steps it measured.
+            print(f"TRL step {len(self.times)}: {self.times[-1]:.2f} s", flush=True)
 
     args = trl.GRPOConfig(
         output_dir=str(work_dir / "trl"), max_steps=steps, learning_rate=w.lr, beta=w.beta, temperature=1.0,
@@ -459,6 +461,9 @@ def main(argv: list[str] | None = None) -> dict:
         variants = [parse_variant(v) for v in args.variant]
         if device == "cuda":
             h = run_in_subprocess("hybridrl", args, model_dir, args.set, args.profile)
+            if "step_times_s" in h:  # before TRL's half: a run cut short keeps hybridrl's figures
+                print(f"hybridrl: step times {[round(t, 3) for t in h['step_times_s']]} s, peak allocated "
+                      f"{h['peak_allocated_gib']:.3f} GiB", flush=True)
             extra = {name: run_in_subprocess("hybridrl", args, model_dir, args.set + items) for name, items in variants}
             trl = {"skipped": missing} if missing else run_in_subprocess("trl", args, model_dir)
         else:  # CPU: no memory figures to keep apart, so one process is enough (and faster for CI)
