@@ -11,9 +11,10 @@ from transformers import AutoModelForCausalLM
 
 from hybridrl.models import load_critic
 from hybridrl.train.attention import BLOCK, _block_mask, enable_packed_attention, varlen_attention, packed_attention_mask
-from hybridrl.train.batch import build_sequence_batch, split_indices
+from hybridrl.train.batch import build_sequence_batch
 from hybridrl.train.logprobs import response_logprobs, response_values
-from hybridrl.train.packing import PackedLayout, Work, _bucket, _rows, _Rows, micro_batch_work, pack_sequences, plan_micro_batches
+from hybridrl.train import packing
+from hybridrl.train.packing import PackedLayout, _bucket, _rows, _Rows, micro_batch_work, pack_sequences, plan_micro_batches
 
 
 def _batch(num_prompts=4, n=3, seed=0, max_response=7):
@@ -353,49 +354,6 @@ def _reference_pack_sequences(batch, *, pad_to_multiple=1):
     )
 
 
-def _reference_group_cost(prompt_len, response_lens):
-    tokens = prompt_len + sum(response_lens)
-    pairs = prompt_len * (prompt_len + 1) // 2 + sum(r * prompt_len + r * (r + 1) // 2 for r in response_lens)
-    return tokens, pairs
-
-
-def _reference_micro_batch_work(batch):
-    rows = _reference_rows(batch)
-    logit_tokens = sum(rows.response_lens)
-    if batch.packed:
-        costs = [_reference_group_cost(rows.prompt_lens[g[0]], [rows.response_lens[b] for b in g]) for g in rows.groups]
-    else:
-        costs = [_reference_group_cost(rows.prompt_lens[b] + rows.response_lens[b], []) for b in range(batch.size)]
-    return Work(sum(c[0] for c in costs), logit_tokens, sum(c[1] for c in costs))
-
-
-def _reference_plan_micro_batches(batch, *, micro_batch_size, max_tokens):
-    rows = _reference_rows(batch)
-    order = [b for g in rows.groups for b in g] if batch.packed else list(range(batch.size))
-    if not max_tokens:
-        return [[order[i] for i in idx] for idx in split_indices(len(order), micro_batch_size)]
-    group_of = {b: g for g, group in enumerate(rows.groups) for b in group}
-    plans, current = [], []
-    used, open_groups, widest_prompt, widest_response = 0, set(), 0, 0
-    for b in order:
-        p, r = rows.prompt_lens[b], rows.response_lens[b]
-        if batch.packed:
-            cost = used + r + (0 if group_of[b] in open_groups else p)
-        else:
-            cost = (len(current) + 1) * (max(widest_prompt, p) + max(widest_response, r))
-        if current and cost > max_tokens:
-            plans.append(current)
-            current, used, open_groups, widest_prompt, widest_response = [], 0, set(), 0, 0
-            cost = r + p if batch.packed else p + r
-        current.append(b)
-        used = cost
-        open_groups.add(group_of[b])
-        widest_prompt, widest_response = max(widest_prompt, p), max(widest_response, r)
-    if current:
-        plans.append(current)
-    return plans
-
-
 def _random_batch(seed: int):
     """A shuffled batch of prompt groups with every awkward case: prompts of different lengths (some
     holding the pad id, two prompts equal but for a leading pad-id token), empty responses, a group
@@ -426,16 +384,22 @@ def _assert_layouts_equal(got, want):
 
 
 @pytest.mark.parametrize("seed", range(150))
-def test_host_layout_matches_the_loop_reference(seed):
+def test_host_layout_matches_the_loop_reference(seed, monkeypatch):
     """_rows, plan_micro_batches, micro_batch_work and pack_sequences (pad_to_multiple 1, 4, BLOCK)
     over a whole batch and over its trimmed micro-batches (groups split across them, a response
-    over the budget alone) equal the loop references field by field."""
+    over the budget alone) equal the loop references field by field. plan_micro_batches and
+    micro_batch_work read the batch only through _rows: their references are themselves on the
+    loop version of _rows."""
     batch = _random_batch(seed)
     budget = random.Random(seed).choice([None, 1, 6, 15, 40, 1000])
     plans = plan_micro_batches(batch, micro_batch_size=3, max_tokens=budget)
-    assert plans == _reference_plan_micro_batches(batch, micro_batch_size=3, max_tokens=budget)
-    for micro in [batch] + [batch.select(plan) for plan in plans]:
+    micros = [batch] + [batch.select(plan) for plan in plans]
+    works = [micro_batch_work(micro) for micro in micros]
+    with monkeypatch.context() as m:
+        m.setattr(packing, "_rows", _reference_rows)
+        assert plans == plan_micro_batches(batch, micro_batch_size=3, max_tokens=budget)
+        assert works == [micro_batch_work(micro) for micro in micros]
+    for micro in micros:
         assert _rows(micro) == _reference_rows(micro)
-        assert micro_batch_work(micro) == _reference_micro_batch_work(micro)
         for pad in (1, 4, BLOCK):
             _assert_layouts_equal(pack_sequences(micro, pad_to_multiple=pad), _reference_pack_sequences(micro, pad_to_multiple=pad))
