@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import _cache_args, _cache_pointers, _rms_rope_heads
+from .triton_kernels import _cache_args, _cache_pointers, _rms_rope_heads, _rope_at, _rope_write_kv
 
 # Tokens per inner-loop tile; several cache blocks are gathered per tile so the loop is short.
 DEFAULT_TILE = 128
@@ -148,10 +148,7 @@ def _rope_paged_decode_kernel(
     kvh = tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
     pos = tl.load(pos_ptr + row)
-    hd = tl.arange(0, HALF_P)
-    hd_mask = hd < HALF
-    c = tl.load(cos_ptr + pos * HALF + hd, mask=hd_mask, other=0.0)[None, :]
-    s = tl.load(sin_ptr + pos * HALF + hd, mask=hd_mask, other=0.0)[None, :]
+    hd, hd_mask, c, s = _rope_at(cos_ptr, sin_ptr, pos, HALF, HALF_P)
 
     g = tl.arange(0, GROUP_P)
     g_mask = g < GROUP
@@ -165,19 +162,10 @@ def _rope_paged_decode_kernel(
     tl.store(out_row + half_off, o1.to(dtype), mask=half_mask)
     tl.store(out_row + half_off + HALF, o2.to(dtype), mask=half_mask)
 
-    k_off = kvh * D + hd[None, :]  # [1, HALF_P]: one head
-    k_mask = hd_mask[None, :]
-    k1 = tl.load(k_ptr + row * k_stride + k_off, mask=k_mask, other=0.0).to(tl.float32)
-    k2 = tl.load(k_ptr + row * k_stride + k_off + HALF, mask=k_mask, other=0.0).to(tl.float32)
-    ko1, ko2 = _rms_rope_heads(k1, k2, kn_ptr, c, s, hd, hd_mask, eps, D, HALF, HAS_NORM, dtype)
-    block = tl.load(bt_ptr + row * bt_stride + pos // BS).to(tl.int64)
-    c_off = ((block * HKV + kvh) * BS + pos % BS) * D + hd[None, :]
-    tl.store(k_cache_ptr + c_off, ko1.to(dtype), mask=k_mask)
-    tl.store(k_cache_ptr + c_off + HALF, ko2.to(dtype), mask=k_mask)
-    v1 = tl.load(v_ptr + row * v_stride + k_off, mask=k_mask, other=0.0)
-    v2 = tl.load(v_ptr + row * v_stride + k_off + HALF, mask=k_mask, other=0.0)
-    tl.store(v_cache_ptr + c_off, v1.to(dtype), mask=k_mask)
-    tl.store(v_cache_ptr + c_off + HALF, v2.to(dtype), mask=k_mask)
+    _rope_write_kv(  # this program's KV head
+        k_ptr, v_ptr, k_stride, v_stride, kn_ptr, eps, row, pos, kvh, hd_mask[None, :], c, s, hd, hd_mask,
+        k_cache_ptr, v_cache_ptr, bt_ptr, bt_stride, HKV, D, HALF, BS, HAS_NORM, dtype,
+    )  # fmt: skip
     tl.debug_barrier()  # the stores above are read below by other threads of this program
 
     d = tl.arange(0, D)

@@ -68,6 +68,38 @@ def _rms_rope_heads(x1, x2, w_ptr, c, s, hd, hd_mask, eps, D: tl.constexpr, HALF
 
 
 @triton.jit
+def _rope_at(cos_ptr, sin_ptr, pos, HALF: tl.constexpr, HALF_P: tl.constexpr):
+    """The rotary tables' row for position `pos`: (hd, hd_mask, cos [1, HALF_P], sin [1, HALF_P])."""
+    hd = tl.arange(0, HALF_P)
+    hd_mask = hd < HALF
+    c = tl.load(cos_ptr + pos * HALF + hd, mask=hd_mask, other=0.0)[None, :]
+    s = tl.load(sin_ptr + pos * HALF + hd, mask=hd_mask, other=0.0)[None, :]
+    return hd, hd_mask, c, s
+
+
+@triton.jit
+def _rope_write_kv(
+    k_ptr, v_ptr, k_stride, v_stride, kn_ptr, eps, row, pos, heads, mask, c, s, hd, hd_mask,
+    k_cache_ptr, v_cache_ptr, bt_ptr, bt_stride,
+    HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr, HAS_NORM: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Norms (if any) and rotates `row`'s new key for KV heads `heads` ([H, 1], or one head as a
+    scalar; `mask` [H or 1, HALF_P]) and writes it and the new value into the cache slot of `pos`."""
+    off = heads * D + hd[None, :]
+    k1 = tl.load(k_ptr + row * k_stride + off, mask=mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k_ptr + row * k_stride + off + HALF, mask=mask, other=0.0).to(tl.float32)
+    o1, o2 = _rms_rope_heads(k1, k2, kn_ptr, c, s, hd, hd_mask, eps, D, HALF, HAS_NORM, DTYPE)
+    block = tl.load(bt_ptr + row * bt_stride + pos // BS).to(tl.int64)
+    c_off = ((block * HKV + heads) * BS + pos % BS) * D + hd[None, :]
+    tl.store(k_cache_ptr + c_off, o1.to(DTYPE), mask=mask)
+    tl.store(k_cache_ptr + c_off + HALF, o2.to(DTYPE), mask=mask)
+    v1 = tl.load(v_ptr + row * v_stride + off, mask=mask, other=0.0)
+    v2 = tl.load(v_ptr + row * v_stride + off + HALF, mask=mask, other=0.0)
+    tl.store(v_cache_ptr + c_off, v1.to(DTYPE), mask=mask)
+    tl.store(v_cache_ptr + c_off + HALF, v2.to(DTYPE), mask=mask)
+
+
+@triton.jit
 def _cache_pointers(k_ptr, v_ptr, kv_off_ptr, KV_TABLE: tl.constexpr):
     """The K and V cache pointers of a kernel: as passed, or (KV_TABLE) the anchor passed as both
     moved by this layer's element offsets, read at run time from the address table
@@ -100,10 +132,7 @@ def _qk_rope_write_kv_kernel(
     k_cache_ptr, v_cache_ptr = _cache_pointers(k_cache_ptr, v_cache_ptr, kv_off_ptr, KV_TABLE)
     dtype = q_out_ptr.dtype.element_ty
     pos = tl.load(pos_ptr + row)
-    hd = tl.arange(0, HALF_P)
-    hd_mask = hd < HALF
-    c = tl.load(cos_ptr + pos * HALF + hd, mask=hd_mask, other=0.0)[None, :]
-    s = tl.load(sin_ptr + pos * HALF + hd, mask=hd_mask, other=0.0)[None, :]
+    hd, hd_mask, c, s = _rope_at(cos_ptr, sin_ptr, pos, HALF, HALF_P)
 
     hq = tl.arange(0, HQ_P)
     head_off = hq[:, None] * D + hd[None, :]
@@ -114,20 +143,11 @@ def _qk_rope_write_kv_kernel(
     tl.store(q_out_ptr + row * HQ * D + head_off, o1.to(dtype), mask=q_mask)
     tl.store(q_out_ptr + row * HQ * D + head_off + HALF, o2.to(dtype), mask=q_mask)
 
-    hk = tl.arange(0, HKV_P)
-    kv_head_off = hk[:, None] * D + hd[None, :]
-    k_mask = (hk[:, None] < HKV) & hd_mask[None, :]
-    k1 = tl.load(k_ptr + row * k_stride + kv_head_off, mask=k_mask, other=0.0).to(tl.float32)
-    k2 = tl.load(k_ptr + row * k_stride + kv_head_off + HALF, mask=k_mask, other=0.0).to(tl.float32)
-    o1, o2 = _rms_rope_heads(k1, k2, kn_ptr, c, s, hd, hd_mask, eps, D, HALF, HAS_NORM, dtype)
-    block = tl.load(bt_ptr + row * bt_stride + pos // BS).to(tl.int64)
-    c_off = ((block * HKV + hk[:, None]) * BS + pos % BS) * D + hd[None, :]
-    tl.store(k_cache_ptr + c_off, o1.to(dtype), mask=k_mask)
-    tl.store(k_cache_ptr + c_off + HALF, o2.to(dtype), mask=k_mask)
-    v1 = tl.load(v_ptr + row * v_stride + kv_head_off, mask=k_mask, other=0.0)
-    v2 = tl.load(v_ptr + row * v_stride + kv_head_off + HALF, mask=k_mask, other=0.0)
-    tl.store(v_cache_ptr + c_off, v1, mask=k_mask)
-    tl.store(v_cache_ptr + c_off + HALF, v2, mask=k_mask)
+    hk = tl.arange(0, HKV_P)[:, None]  # every KV head
+    _rope_write_kv(
+        k_ptr, v_ptr, k_stride, v_stride, kn_ptr, eps, row, pos, hk, (hk < HKV) & hd_mask[None, :], c, s, hd, hd_mask,
+        k_cache_ptr, v_cache_ptr, bt_ptr, bt_stride, HKV, D, HALF, BS, HAS_NORM, dtype,
+    )  # fmt: skip
 
 
 def qk_rope_write_kv(
