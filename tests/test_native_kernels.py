@@ -110,6 +110,19 @@ def test_advance_kernel_matches_the_decode_state_bookkeeping(batch):
         assert torch.equal(getattr(states[1], name), getattr(states[0], name)), name
 
 
+def _decode_step_inputs(g, dtype, hq, hkv, d, nb, mb):
+    """One decode step's inputs for 5 rows whose new tokens sit at position 0, mid-block, on a
+    block's last and first slots, and deep into the context: (positions, q, k, v as column slices
+    of one q|k|v projection (strided rows, as the decoder has them), cos, sin, block tables)."""
+    pos = torch.tensor([0, 7, 15, 16, 139], device=DEVICE)
+    batch = pos.numel()
+    qkv = torch.randn(batch, (hq + 2 * hkv) * d, generator=g).to(DEVICE, dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    ang = torch.rand(256, d // 2, generator=g).to(DEVICE) * 6
+    bt = torch.randperm(nb - 1, generator=g)[: batch * mb].view(batch, mb).add(1).to(DEVICE, torch.int32)
+    return pos, q, k, v, ang.cos(), ang.sin(), bt
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("heads", [(14, 2), (4, 4)])
@@ -123,15 +136,9 @@ def test_rope_decode_attention_in_one_kernel_equals_the_two(dtype, qk_norm, head
     g = torch.Generator().manual_seed(7)
     hq, hkv = heads
     d, bs, nb, mb = 64, 16, 50, 9
-    pos = torch.tensor([0, 7, 15, 16, 139], device=DEVICE)
-    batch = pos.numel()
-    qkv = torch.randn(batch, (hq + 2 * hkv) * d, generator=g).to(DEVICE, dtype)
-    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
-    ang = torch.rand(256, d // 2, generator=g).to(DEVICE) * 6
-    cos, sin = ang.cos(), ang.sin()
+    pos, q, k, v, cos, sin, bt = _decode_step_inputs(g, dtype, hq, hkv, d, nb, mb)
     qn = torch.randn(d, generator=g).to(DEVICE, dtype) if qk_norm else None
     kn = torch.randn(d, generator=g).to(DEVICE, dtype) if qk_norm else None
-    bt = torch.randperm(nb - 1, generator=g)[: batch * mb].view(batch, mb).add(1).to(DEVICE, torch.int32)
     kc = torch.randn(nb, hkv, bs, d, generator=g).to(DEVICE, dtype)  # earlier tokens' keys / values
     vc = torch.randn(nb, hkv, bs, d, generator=g).to(DEVICE, dtype)
     scale = d**-0.5
@@ -161,13 +168,7 @@ def test_kernels_find_the_cache_through_the_address_table(dtype):
 
     g = torch.Generator().manual_seed(11)
     layers, hq, hkv, d, bs, nb, mb, layer = 3, 14, 2, 64, 16, 50, 9, 1
-    pos = torch.tensor([0, 7, 15, 16, 139], device=DEVICE)
-    batch = pos.numel()
-    qkv = torch.randn(batch, (hq + 2 * hkv) * d, generator=g).to(DEVICE, dtype)
-    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
-    ang = torch.rand(256, d // 2, generator=g).to(DEVICE) * 6
-    cos, sin = ang.cos(), ang.sin()
-    bt = torch.randperm(nb - 1, generator=g)[: batch * mb].view(batch, mb).add(1).to(DEVICE, torch.int32)
+    pos, q, k, v, cos, sin, bt = _decode_step_inputs(g, dtype, hq, hkv, d, nb, mb)
     keys = torch.randn(layers, nb, hkv, bs, d, generator=g).to(DEVICE, dtype)
     values = torch.randn(layers, nb, hkv, bs, d, generator=g).to(DEVICE, dtype)
 
