@@ -88,7 +88,6 @@ class NativeBackend:
         self.shared_prefix_attention = shared_prefix_attention
         self.shared_prefix_splits = shared_prefix_splits
         self.keep_graphs = keep_graphs
-        self.graph_reuses = 0  # generate calls that started with graphs captured by an earlier one
         self.cache: PagedKVCache | None = None
         self.state: DecodeState | None = None
         self.stats: dict[str, float] = {}  # where the last generate() spent its time (generate's docstring)
@@ -266,7 +265,6 @@ class NativeBackend:
             self.graphs.clear()
             self._graph_key = key
         elif self.graphs.graphs:
-            self.graph_reuses += 1
             self.stats["graphs_reused"] = 1.0
 
     def _addresses(self) -> tuple:
