@@ -262,6 +262,7 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
         "mfu_actor": mean("perf/mfu/actor") if device == "cuda" else None,
         "mfu_ref": mean("perf/mfu/ref") if device == "cuda" else None,
         "kl": later[-1].get("actor/kl"),
+        "gc_s": [r.get("perf/gc_s") for r in records],  # the Python collector's time inside each step
         "logprob_diff_mean": mean("rollout/logprob_diff/mean"),
         "logprob_diff_max": max((r.get("rollout/logprob_diff/max") or 0.0) for r in records),
         "overrides": list(overrides),
@@ -415,6 +416,8 @@ def print_table(result: dict) -> None:
         print(f"hybridrl MFU: actor {_fmt(h.get('mfu_actor'), '.1%')}, ref {_fmt(h.get('mfu_ref'), '.1%')}; "
               f"step times {['%.2f' % s for s in h['step_times_s']]} "
               f"(host clock: {['%.2f' % s for s in h.get('host_step_times_s', [])]})")  # fmt: skip
+        if h.get("gc_s"):
+            print(f"hybridrl Python garbage collection per step (s): {[_fmt(s, '.3f') for s in h['gc_s']]}")
     if "step_times_s" in trl:
         print(f"TRL step times {['%.2f' % s for s in trl['step_times_s']]}")
 

@@ -62,7 +62,11 @@ def main(argv=None):
     ap.add_argument("--no-autotune", action="store_true", help="cuBLAS only")
     ap.add_argument("--split-k", default="", help="also time split-K products (comma-separated split counts): one "
                     "strided-batched cuBLAS product with fp32 outputs over K-chunks, then their sum")
+    ap.add_argument("--blas", choices=["cublas", "cublaslt"], default=None,
+                    help="the BLAS library PyTorch's bf16 products go through (torch.backends.cuda.preferred_blas_library); default: PyTorch's")
     args = ap.parse_args(argv)
+    if args.blas and torch.cuda.is_available():
+        torch.backends.cuda.preferred_blas_library(args.blas)
     H, I, nh, nkv, hd, L, V = SHAPES[args.size]
     M = args.rows
     shapes = {"qkv": ((nh + 2 * nkv) * hd, H, L), "o_proj": (H, nh * hd, L), "gate_up": (2 * I, H, L), "down": (H, I, L), "lm_head": (V, H, 1)}
@@ -71,7 +75,8 @@ def main(argv=None):
     tuned = None
     if not args.no_autotune:
         tuned = torch.compile(lambda x, w: F.linear(x, w), mode="max-autotune-no-cudagraphs", dynamic=False)
-    print(f"[{args.size}] rows {M}: microseconds per product (each layer's own weight, in one CUDA graph)")
+    blas = torch.backends.cuda.preferred_blas_library()
+    print(f"[{args.size}] rows {M}, {blas}: microseconds per product (each layer's own weight, in one CUDA graph)")
     splits = [int(k) for k in args.split_k.split(",") if k]
     split_cols = "".join(f" split-K {k} us |" for k in splits)
     print(f"| product | N x K | cuBLAS us | autotuned us |{split_cols} memory floor us |")

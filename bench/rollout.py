@@ -62,13 +62,14 @@ def logprob_diff(model, prompts, outs, limit: int) -> tuple[float, float]:
     return d.mean().item(), d.max().item()
 
 
-def run_native(model, request, device, args, tile: int, warps: int, split: int, cascade: bool = False) -> dict:
+def run_native(model, request, device, args, tile: int, warps: int, split: int, cascade: bool = False, stages: int = 2) -> dict:
     backend = NativeBackend(model, max_num_seqs=max(args.max_num_seqs, len(request.prompt_ids) * request.n),
                             shared_prefix_attention=cascade, shared_prefix_splits=args.prefix_splits)  # fmt: skip
     if device == "cuda":
         backend.decoder.ops.attention_tile = tile
         backend.decoder.ops.attention_warps = warps
         backend.decoder.ops.attention_split = split
+        backend.decoder.ops.attention_stages = stages
         torch.cuda.reset_peak_memory_stats()
         matmul_once(device)  # cuBLAS's workspace exists before and after, as in a trainer
         before = torch.cuda.memory_allocated()
@@ -86,7 +87,7 @@ def run_native(model, request, device, args, tile: int, warps: int, split: int, 
         outs = backend.generate(request)
         sync(device)
         times.append(time.perf_counter() - t0)
-    figures = {"attn_tile": tile, "attn_warps": warps, "attn_split": split, "shared_prefix": cascade, "cold_s": cold_s, "time_s": min(times), "times_s": times}
+    figures = {"attn_tile": tile, "attn_warps": warps, "attn_split": split, "attn_stages": stages, "shared_prefix": cascade, "cold_s": cold_s, "time_s": min(times), "times_s": times}
     if cascade:
         figures["prefix_splits"] = args.prefix_splits  # 0: chosen per batch
     figures["tokens"] = sum(len(o.response_ids) for o in outs)
@@ -171,7 +172,7 @@ def main() -> None:
     ap.add_argument("--sleep-between", action="store_true", help="sleep() before each timed run, as a trainer does between steps")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--attn", default="128:4:0",
-                    help="attention settings to try, tile:warps:split_tokens, comma-separated (split 0: none)")
+                    help="attention settings to try, tile:warps:split_tokens[:stages], comma-separated (split 0: none; stages default 2)")
     ap.add_argument("--shared-prefix", choices=["off", "on", "both"], default="off",
                     help="cascade attention over each prompt's shared KV blocks (rollout.shared_prefix_attention)")
     ap.add_argument("--prefix-splits", type=int, default=0,
@@ -180,7 +181,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of eager decode steps")
     ap.add_argument("--logprob-seqs", type=int, default=16)
     ap.add_argument("--json", type=str, default=None)
+    ap.add_argument("--blas", choices=["cublas", "cublaslt"], default=None,
+                    help="the BLAS library PyTorch's bf16 products go through (torch.backends.cuda.preferred_blas_library); default: PyTorch's")
     args = ap.parse_args()
+    if args.blas and torch.cuda.is_available():
+        torch.backends.cuda.preferred_blas_library(args.blas)
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     size = "tiny" if args.tiny else args.size
     if args.tiny:
@@ -196,11 +201,12 @@ def main() -> None:
     runs = []
     cascades = {"off": [False], "on": [True], "both": [False, True]}[args.shared_prefix]
     for setting, cascade in ((a, c) for a in args.attn.split(",") for c in cascades):
-        tile, warps, split = map(int, setting.split(":"))
-        runs.append(run_native(model, request, device, args, tile, warps, split, cascade))
+        tile, warps, split, *rest = map(int, setting.split(":"))
+        stages = rest[0] if rest else 2
+        runs.append(run_native(model, request, device, args, tile, warps, split, cascade, stages))
         r = runs[-1]
         shared = f"on, splits {args.prefix_splits or 'auto'}" if cascade else "off"
-        print(f"[{size}] native attention tile={tile} warps={warps} split={split} shared_prefix={shared}: "
+        print(f"[{size}] native attention tile={tile} warps={warps} split={split} stages={stages} shared_prefix={shared}: "
               f"{r['tokens_per_s']:,.0f} tokens/s (runs {['%.3f' % t for t in r['times_s']]} s), "
               f"logprob diff mean {r['logprob_diff_mean']:.4e}")
     native = max(runs, key=lambda r: r["tokens_per_s"])

@@ -28,7 +28,7 @@ from hybridrl.checkpoint import (
 from hybridrl.config import Config, ConfigError, algorithm_spec, diff_configs, to_dict, validate_config
 from hybridrl.config.loading import upgrade_deprecated_keys
 from hybridrl.data import StatefulLoader, load_prompt_dataset
-from hybridrl.metrics import ConsoleProgress, JsonlSink, MetricsWriteError, PhaseTimer, memory_metrics
+from hybridrl.metrics import ConsoleProgress, GcClock, JsonlSink, MetricsWriteError, PhaseTimer, memory_metrics
 from hybridrl.models import load_critic
 from hybridrl.rollout import RolloutEngine
 from hybridrl.train import oom
@@ -113,6 +113,7 @@ class TrainerEngine:
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", keep_last=cfg.trainer.keep_last)
         self.metrics = JsonlSink(self.output_dir / "metrics.jsonl")
         self.timer = PhaseTimer(self.device)
+        self.gc_clock = GcClock()  # the Python collector's time inside each step (perf/gc_s)
         self.step = 0
         self.counters = {"response_tokens": 0, "tokens": 0, "skipped_updates": 0, "consecutive_skips": 0}
         self.loader: StatefulLoader | None = None
@@ -218,6 +219,7 @@ class TrainerEngine:
             except StepAbandoned as e:
                 self.journal.undo()
                 self.timer.pop()
+                self.gc_clock.pop()
                 log.warning("step %d abandoned (%s); it is redone on resume", self.step + 1, e)
                 return
             if eval_data is not None and cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
@@ -235,7 +237,7 @@ class TrainerEngine:
         failpoints.reached("step")
         oom_retries = oom.num_retries()
         try:
-            with self.timer.phase("step"):
+            with self.gc_clock, self.timer.phase("step"):
                 result = rl_step(self, prompts) if self.spec.kind == "rl" else offline_step(self, prompts)
         except torch.OutOfMemoryError as e:  # rollout and training micro-batches retry; other passes cannot
             raise oom.OutOfMemoryError("a forward pass (reference / old log-probs / values)") from e
@@ -258,6 +260,7 @@ class TrainerEngine:
             "perf/tokens_per_s": n_resp / step_time,
             "perf/total_tokens_per_s": n_tok / step_time,
             "perf/total_response_tokens": self.counters["response_tokens"],
+            **self.gc_clock.pop(),
             **({"actor/kl": result.get("actor/kl")} if self.spec.kind == "rl" else {}),
             **memory_metrics(self.device),
         }

@@ -16,9 +16,10 @@ class TritonOps(TorchOps):
     shared_prefix = True
 
     # Defaults measured on one H200 at W0.5B (bench/rollout.py --attn): tile 128, 4 warps, no split.
-    def __init__(self, attention_tile: int = 128, attention_warps: int = 4, attention_split: int = 0):
+    def __init__(self, attention_tile: int = 128, attention_warps: int = 4, attention_split: int = 0, attention_stages: int = 2):
         self.attention_tile = attention_tile  # tokens per inner-loop tile
         self.attention_warps = attention_warps
+        self.attention_stages = attention_stages  # software-pipelining depth of the tile loop
         self.attention_split = attention_split  # tokens per flash-decoding split (0: no split)
 
     def add_rms_norm(self, x, residual, weight, eps):
@@ -37,7 +38,7 @@ class TritonOps(TorchOps):
     def decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale, prefix=None, kv_table=None):
         return triton_attention.paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale,
-            tile=self.attention_tile, num_warps=self.attention_warps, split_tokens=self.attention_split,
+            tile=self.attention_tile, num_warps=self.attention_warps, num_stages=self.attention_stages, split_tokens=self.attention_split,
             prefix=prefix if self.attention_split == 0 else None,  # flash-decoding splits read the whole context
             kv_table=kv_table,
         )  # fmt: skip
@@ -51,7 +52,7 @@ class TritonOps(TorchOps):
             )  # fmt: skip
         return triton_attention.rope_paged_decode_attention(
             q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables, scale,
-            tile=self.attention_tile, num_warps=self.attention_warps, kv_table=kv_table,
+            tile=self.attention_tile, num_warps=self.attention_warps, num_stages=self.attention_stages, kv_table=kv_table,
         )  # fmt: skip
 
     def silu_mul(self, gate, up):

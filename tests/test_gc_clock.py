@@ -1,0 +1,58 @@
+"""The garbage collector's time in the step record (`perf/gc_s`, `perf/gc_collections`)."""
+
+from __future__ import annotations
+
+import gc
+
+from conftest import small_config
+from hybridrl.cli.commands import build_trainer
+from hybridrl.metrics import GcClock, read_records
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_gc_clock_counts_the_collections_run_inside_it_and_nothing_outside():
+    clock = GcClock()
+    gc.collect()  # before: not counted
+    with clock:
+        for _ in range(2000):
+            _Cycle()
+        gc.collect()
+        gc.collect(0)
+    gc.collect()  # after exit: not counted either
+    first = clock.pop()
+    assert first["perf/gc_collections"] >= 2  # the two explicit ones, plus any the allocations triggered
+    assert first["perf/gc_s"] > 0
+    assert clock.pop() == {"perf/gc_s": 0.0, "perf/gc_collections": 0.0}  # pop resets
+    assert clock._callback not in gc.callbacks  # exit removed the hook
+
+
+def test_every_step_record_carries_the_collectors_time_and_the_hook_is_gone_after(tmp_path, arith_data):
+    cfg = small_config(tmp_path, arith_data, **{"train.total_steps": 2, "trainer.save_every": 0, "data.eval_path": "null",
+                                                "train.batch_size": 16, "train.micro_batch_size": 8})  # fmt: skip
+    trainer = build_trainer(cfg)
+    forced = []
+
+    def collect_in_step_2(record):  # stop_when runs after step 1's record: make step 2 collect for sure
+        if record["step"] == 1:
+            trainer.rollout.generate = _collecting(trainer.rollout.generate, forced)
+        return False
+
+    trainer.fit(stop_when=collect_in_step_2)
+    records = read_records(trainer.metrics.path)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["perf/gc_s"] >= 0 and r["perf/gc_collections"] >= 0 for r in records)
+    assert forced == [True] and records[1]["perf/gc_collections"] >= 1 and records[1]["perf/gc_s"] > 0
+    assert trainer.gc_clock._callback not in gc.callbacks
+
+
+def _collecting(generate, forced):
+    def wrapper(*args, **kwargs):
+        gc.collect()
+        forced.append(True)
+        return generate(*args, **kwargs)
+
+    return wrapper
