@@ -255,6 +255,8 @@ def test_reference_offload_moves_weights_to_pinned_host_memory():
         got = response_logprobs(model, batch)[0]
     assert all(p.device.type == "cpu" for p in model.parameters())
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert not offloaded.prefetched  # the pass took the prefetched copy
+    assert all(flat.is_pinned() for flat in offloaded.flat.values())
 
 
 @gpu

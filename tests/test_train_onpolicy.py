@@ -71,3 +71,23 @@ def test_reference_offload_keeps_weights_off_device_between_uses(tiny_model_path
     assert [p.data_ptr() for p in model.parameters()] == [h.data_ptr() for h in offloaded.host]
     assert all(torch.equal(p, e) for p, e in zip(model.parameters(), expected))
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_offloaded_weights_share_one_aligned_buffer_per_dtype():
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 7)).to(torch.bfloat16)
+    model.register_parameter("scale", torch.nn.Parameter(torch.randn(3)))  # fp32: a buffer of its own
+    expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+    offloaded = OffloadedWeights(model)
+    assert set(offloaded.flat) == {torch.bfloat16, torch.float32}
+    for (name, p), host in zip(model.named_parameters(), offloaded.host):
+        assert p.data_ptr() == host.data_ptr() and torch.equal(p, expected[name]), name
+        flat = offloaded.flat[p.dtype]
+        offset = (p.data_ptr() - flat.data_ptr()) // p.element_size()
+        assert offset % 64 == 0 and 0 <= offset and offset + p.numel() <= flat.numel(), name
+    views = [p.data_ptr() for p in model.parameters()]
+    assert len(set(views)) == len(views)  # no two parameters overlap (distinct aligned slices)
+    with weights_on_device(offloaded):  # on CPU the "device" is the host: the same views
+        assert all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
+    offloaded.prefetch()  # off CUDA: nothing to copy
+    assert not offloaded.prefetched
+
