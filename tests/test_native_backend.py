@@ -433,3 +433,17 @@ def test_finished_sequences_match_the_per_row_reference(seed):
     assert got == _reference_finished_sequences(seqs, tokens, logprobs, lengths, stop_set)
     assert all(type(x) is int for s in got for x in s.response_ids)
     assert all(type(x) is float for s in got for x in s.response_logprobs)
+
+
+@pytest.mark.parametrize("vocab,chunk", [(102, 8192), (8192, 8192), (5, 64)])
+def test_a_vocabulary_of_one_chunk_draws_by_token_noise_alone(vocab, chunk):
+    """With one chunk the chunk draw has a single choice, so the two-level draw is the one-level
+    Gumbel-max over the vocabulary's token noise (no noise for the padding past it)."""
+    from hybridrl.rollout.native.sampling import gumbel_noise, two_level_gumbel_max
+
+    g = torch.Generator().manual_seed(vocab)
+    scaled = torch.randn(64, vocab, generator=g) * 2
+    keys = torch.randint(0, 2**32, (64,), generator=g)
+    steps = torch.randint(0, 2**31, (64,), generator=g)
+    expected = (scaled + gumbel_noise(keys, steps, vocab)).argmax(dim=-1)
+    assert torch.equal(two_level_gumbel_max(scaled, keys, steps, chunk), expected)

@@ -91,10 +91,13 @@ def two_level_gumbel_max(
     log-masses, then a token of it by Gumbel-max over its entries (see the module docstring)."""
     batch, vocab = scaled.shape
     num_chunks = -(-vocab // chunk)
+    step_keys = step_keys_of(row_keys, steps)
+    if num_chunks == 1:  # chunk 0 is the only choice; its entries past the vocabulary (-inf) never win
+        index = torch.arange(vocab, device=scaled.device)[None, :]
+        return (scaled + hashed_gumbel(step_keys, index)).argmax(dim=-1)
     padded = torch.nn.functional.pad(scaled, (0, num_chunks * chunk - vocab), value=float("-inf"))
     padded = padded.view(batch, num_chunks, chunk)
     log_mass = torch.logsumexp(padded, dim=-1)  # [B, C]; -inf for a chunk of -inf only (mass 0)
-    step_keys = step_keys_of(row_keys, steps)
     chunks = torch.arange(num_chunks, device=scaled.device, dtype=torch.int64) | CHUNK_DOMAIN
     chosen = (log_mass + hashed_gumbel(step_keys, chunks[None, :])).argmax(dim=-1)  # [B]
     index = chosen[:, None] * chunk + torch.arange(chunk, device=scaled.device)  # [B, chunk]
