@@ -447,3 +447,26 @@ def test_a_vocabulary_of_one_chunk_draws_by_token_noise_alone(vocab, chunk):
     steps = torch.randint(0, 2**31, (64,), generator=g)
     expected = (scaled + gumbel_noise(keys, steps, vocab)).argmax(dim=-1)
     assert torch.equal(two_level_gumbel_max(scaled, keys, steps, chunk), expected)
+
+
+def test_prefill_picks_the_real_tokens_by_a_host_built_index():
+    """The engine hands the prefill the flat places of the prompts' real tokens (no boolean mask,
+    whose size a GPU would have to send back); samples equal those of the mask path."""
+    model = _model("qwen2")
+    prompts = _prompts()  # lengths 3, 17, 32, 9: padded to 32
+    request = GenerationRequest(prompts, n=2, max_tokens=[8] * 4, temperature=1.0, seed=5)
+    backend = NativeBackend(model, block_size=4)
+    prefill, seen = backend.decoder.prefill, []
+
+    def spy(*args, valid_index=None, **kwargs):
+        seen.append(valid_index.clone())
+        return prefill(*args, valid_index=valid_index, **kwargs)
+
+    backend.decoder.prefill = spy
+    got = backend.generate(request)
+    expected = [r * 32 + t for r, n in enumerate(len(p) for p in prompts) for t in range(n)]
+    assert seen[0].tolist() == expected
+    backend.decoder.prefill = lambda *args, valid_index=None, **kwargs: prefill(*args, **kwargs)  # the mask path
+    want = backend.generate(request)
+    assert [o.response_ids for o in got] == [o.response_ids for o in want]
+    assert [o.response_logprobs for o in got] == [o.response_logprobs for o in want]

@@ -147,3 +147,28 @@ def test_kept_graphs_are_replayed_after_sleep_wherever_the_cache_comes_back():
     backend.sleep()
     assert [o.response_ids for o in backend.generate(longer)] == fresh
     assert backend.stats["graphs_reused"] == 0 and backend.stats["capture_s"] > 0
+
+
+@torch.no_grad()
+def test_prefill_never_waits_for_the_gpu():
+    """With the real tokens' index built on the host, a prefill queues its work without a single
+    device-to-host sync (a boolean mask cost two per layer)."""
+    model = _model(torch.bfloat16)
+    backend = NativeBackend(model, block_size=16)
+    prompts = _prompts()
+    backend.generate(GenerationRequest(prompts, n=1, max_tokens=[2] * len(prompts), temperature=0.0))  # cache, rope tables
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
+    ids = torch.zeros(len(prompts), width, dtype=torch.int64)
+    for r, p in enumerate(prompts):
+        ids[r, : len(p)] = torch.tensor(p)
+    slots = torch.arange(len(prompts) * width).view(len(prompts), width)  # any slots: the cache is scratch here
+    index = torch.cat([torch.arange(r * width, r * width + n) for r, n in enumerate(lengths)])
+    args = [t.cuda() for t in (ids, torch.tensor(lengths), slots, index)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits = backend.decoder.prefill(*args[:3], backend.cache, valid_index=args[3])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert logits.shape == (len(prompts), 1000) and logits.isfinite().all()

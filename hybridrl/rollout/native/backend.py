@@ -290,7 +290,12 @@ class NativeBackend:
             pos = torch.arange(lengths[r])
             ids[r, : lengths[r]] = torch.tensor(g.prompt_ids)
             slots[r, : lengths[r]] = table[pos // bs] * bs + pos % bs
-        logits = self.decoder.prefill(ids.to(dev), torch.tensor(lengths, device=dev), slots.to(dev), self.cache)
+        # The real tokens' flat places, built here: the prefill then picks them without a host sync.
+        valid_index = torch.cat([torch.arange(r * width, r * width + n) for r, n in enumerate(lengths)])
+        logits = self.decoder.prefill(
+            self._to_device(ids), self._to_device(torch.tensor(lengths)), self._to_device(slots), self.cache,
+            valid_index=self._to_device(valid_index),
+        )  # fmt: skip
         # Copy-on-write: the prompt's partial last block was written into sample 0's first own
         # block; every other sample gets its own copy before it appends to it.
         src = [g.sample_blocks[0][0] for g in groups if len(g.prompt_ids) % bs for _ in range(1, n)]
@@ -308,6 +313,12 @@ class NativeBackend:
             [len(s.group.prompt_ids) for s in seqs], [s.group.block_table(s.sample_index) for s in seqs],
             row_keys, [s.group.max_tokens for s in seqs],
         )  # fmt: skip
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the engine's device; on CUDA through pinned memory, so the copy is queued
+        behind the GPU's work instead of waiting for the queue to drain (CUDA's rule for pageable
+        copies)."""
+        return t.pin_memory().to(self.device, non_blocking=True) if self.on_cuda else t.to(self.device)
 
     def _decode(self, batch: int, params: SamplingParams, num_steps: int) -> None:
         if self.use_graphs:

@@ -40,17 +40,23 @@ class NativeDecoder:
         lengths: torch.Tensor,  # [P] int64
         slots: torch.Tensor,  # [P, L] int64 cache slot of each token (ignored where padded)
         cache: PagedKVCache,
+        valid_index: torch.Tensor | None = None,  # [N] int64: flat places (p * L + t) of the real tokens
     ) -> torch.Tensor:
         """Writes the prompts' K/V to the cache; returns fp32 logits of each last token [P, V].
 
         Right padding needs no mask under causal attention: a real token only sees earlier
-        positions, which are all real; padded positions compute garbage nobody reads.
+        positions, which are all real; padded positions compute garbage nobody reads. The real
+        tokens' K/V are picked by `valid_index`: an index, not a boolean mask, since a mask's
+        result size is known only after a device-to-host sync, and the engine builds the index on
+        the host (without it, one sync here computes it).
         """
         spec, w = self.spec, self.weights
         num_prompts, length = input_ids.shape
         d = spec.head_dim
-        valid = torch.arange(length, device=input_ids.device)[None] < lengths[:, None]  # [P, L]
-        valid_slots = slots[valid]
+        if valid_index is None:
+            valid = torch.arange(length, device=input_ids.device)[None] < lengths[:, None]  # [P, L]
+            valid_index = valid.flatten().nonzero()[:, 0]
+        valid_slots = slots.flatten()[valid_index]
         cos, sin = self.cos[:length][None, :, None], self.sin[:length][None, :, None]
         x = F.embedding(input_ids, w.embed)  # [P, L, H]
         if self.fp32_residual:
@@ -64,7 +70,8 @@ class NativeDecoder:
             if lw.q_norm is not None:
                 q, k = rms_norm(q, lw.q_norm, spec.rms_eps), rms_norm(k, lw.k_norm, spec.rms_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            write_kv(cache.k[layer], cache.v[layer], k[valid], v[valid], valid_slots)
+            k_flat, v_flat = k.reshape(num_prompts * length, -1, d), v.reshape(num_prompts * length, -1, d)
+            write_kv(cache.k[layer], cache.v[layer], k_flat[valid_index], v_flat[valid_index], valid_slots)
             attn = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 is_causal=True, scale=spec.scaling, enable_gqa=True,
