@@ -285,13 +285,14 @@ class NativeBackend:
         width = max(lengths)
         ids = torch.zeros(len(groups), width, dtype=torch.int64)
         slots = torch.zeros(len(groups), width, dtype=torch.int64)
+        real = []  # the real tokens' flat places (r * width + t): the prefill picks them without a host sync
         for r, g in enumerate(groups):
             table = torch.tensor(g.block_table(0), dtype=torch.int64)
             pos = torch.arange(lengths[r])
             ids[r, : lengths[r]] = torch.tensor(g.prompt_ids)
             slots[r, : lengths[r]] = table[pos // bs] * bs + pos % bs
-        # The real tokens' flat places, built here: the prefill then picks them without a host sync.
-        valid_index = torch.cat([torch.arange(r * width, r * width + n) for r, n in enumerate(lengths)])
+            real.append(r * width + pos)
+        valid_index = torch.cat(real)
         logits = self.decoder.prefill(
             self._to_device(ids), self._to_device(torch.tensor(lengths)), self._to_device(slots), self.cache,
             valid_index=self._to_device(valid_index),

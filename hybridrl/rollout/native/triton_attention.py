@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import _cache_args, _cache_pointers, _rms_rope_heads, _rope_at, _rope_write_kv
+from .triton_kernels import _cache_args, _cache_pointers, _rms_rope_heads, _rope_at, _rope_shapes, _rope_write_kv
 
 # Tokens per inner-loop tile; several cache blocks are gathered per tile so the loop is short.
 DEFAULT_TILE = 128
@@ -376,11 +376,7 @@ def rope_paged_decode_attention(
     """triton_kernels.qk_rope_write_kv followed by paged_decode_attention (no split, no shared
     prefix), in one kernel; returns [B, Hq * D]."""
     k_arg, v_arg, table = _cache_args(k_cache, v_cache, kv_table)
-    assert q.stride(1) == k.stride(1) == v.stride(1) == 1
-    batch = q.shape[0]
-    half = cos.shape[1]
-    head_dim = 2 * half
-    num_heads, num_kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    batch, half, head_dim, num_heads, num_kv_heads = _rope_shapes(q, k, v, cos)
     group = num_heads // num_kv_heads
     out = torch.empty(batch, num_heads * head_dim, dtype=q.dtype, device=q.device)
     dynamic = os.environ.get("TRITON_INTERPRET") != "1"

@@ -120,6 +120,15 @@ def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_table) -> tuple
     return anchor, anchor, dict(kv_off_ptr=offsets, KV_TABLE=True)
 
 
+def _rope_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(batch, half, head_dim, num_heads, num_kv_heads) of a decode step's q / k / v `[B, heads * D]`
+    (heads contiguous; rows may be strided slices of one fused q|k|v output) and rope table `cos`."""
+    assert q.stride(1) == k.stride(1) == v.stride(1) == 1
+    half = cos.shape[1]
+    head_dim = 2 * half
+    return q.shape[0], half, head_dim, q.shape[1] // head_dim, k.shape[1] // head_dim
+
+
 @triton.jit
 def _qk_rope_write_kv_kernel(
     q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
@@ -157,11 +166,7 @@ def qk_rope_write_kv(
     one fused q|k|v output (rows strided, heads contiguous). kv_table: as
     triton_attention.paged_decode_attention's."""
     k_arg, v_arg, table = _cache_args(k_cache, v_cache, kv_table)
-    assert q.stride(1) == k.stride(1) == v.stride(1) == 1
-    batch = q.shape[0]
-    half = cos.shape[1]
-    head_dim = 2 * half
-    num_heads, num_kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    batch, half, head_dim, num_heads, num_kv_heads = _rope_shapes(q, k, v, cos)
     q_out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     has_norm = q_norm is not None
     _qk_rope_write_kv_kernel[(batch,)](
