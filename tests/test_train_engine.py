@@ -104,3 +104,26 @@ def test_trace_summary_attributes_kernels_and_idle_gpu_time_to_phases(tmp_path):
     assert summary["phase/train"]["top"] == [("add", pytest.approx(0.02), 2), ("gemm", pytest.approx(0.015), 2)]
     idle = trace_summary.idle_by_host_activity(events)["phase/train"]
     assert idle == {"compiled forward": pytest.approx(0.02), "elsewhere": pytest.approx(0.05)}
+
+
+def test_host_threads_default_to_one_with_a_gpu_and_to_torchs_on_cpu():
+    import torch
+
+    from hybridrl.trainer.engine import set_host_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert set_host_threads(None, torch.device("cpu")) == 2 and torch.get_num_threads() == 2  # CPU: torch's own
+        assert set_host_threads(None, torch.device("cuda", 0)) == 1 and torch.get_num_threads() == 1  # a GPU run: one
+        assert set_host_threads(3, torch.device("cuda", 0)) == 3 and torch.get_num_threads() == 3  # asked for
+        assert set_host_threads(1, torch.device("cpu")) == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_num_threads_below_one_is_refused(tmp_path, arith_data):
+    from hybridrl.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match=r"train\.num_threads must be at least 1, got 0.*unset"):
+        validate_config(small_config(tmp_path, arith_data, **{"train.num_threads": 0}), require_paths=False)

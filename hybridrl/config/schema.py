@@ -145,7 +145,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.0  # cosine: final lr as a fraction of lr
     seed: int = 0  # seeds data order, sampling and initialisation
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
-    num_threads: int | None = None  # CPU: torch intra-op threads; None keeps torch's default
+    num_threads: int | None = None  # torch intra-op threads; None: torch's default on CPU, 1 with a GPU
     max_skipped_steps: int = 5  # abort after this many consecutive updates with NaN/inf
 
 

@@ -74,6 +74,8 @@ def validate_config(cfg: Config, *, require_paths: bool = True) -> None:
     _non_negative("train.max_tokens_per_forward", cfg.train.max_tokens_per_forward or 0)
     _positive("train.ppo_epochs", cfg.train.ppo_epochs)
     _positive("train.compile_layers_per_graph", cfg.train.compile_layers_per_graph)
+    if cfg.train.num_threads is not None and cfg.train.num_threads < 1:
+        raise ConfigError(f"train.num_threads must be at least 1, got {cfg.train.num_threads}; leave it unset (null) for the default")
     _positive("rollout.n", cfg.rollout.n)
     _positive("rollout.max_tokens", cfg.rollout.max_tokens)
     _positive("data.max_prompt_length", cfg.data.max_prompt_length)
