@@ -26,6 +26,16 @@ def resolve_device(device: str = "auto") -> torch.device:
     return dev
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` on `device` without stalling the host: a copy from pageable CPU memory to a GPU first waits
+    for the whole stream to drain (CUDA's rule for pageable transfers), so CPU tensors go through
+    pinned memory (PyTorch's caching host allocator keeps the buffer until the copy is done)."""
+    device = torch.device(device)
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """'auto' is bf16 on GPU and fp32 on CPU (CPU bf16 matmuls are slow and imprecise)."""
     if dtype == "auto":

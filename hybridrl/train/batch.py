@@ -9,6 +9,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from hybridrl.models.loading import to_device
+
 
 @dataclass
 class SequenceBatch:
@@ -90,16 +92,6 @@ class SequenceBatch:
     def to(self, device: torch.device) -> "SequenceBatch":
         kw = {f.name: to_device(getattr(self, f.name), device) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
         return replace(self, tensors={k: to_device(v, device) for k, v in self.tensors.items()}, host=self.host_view(), **kw)
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` on `device` without stalling the host: a copy from pageable CPU memory to a GPU first waits
-    for the whole stream to drain (CUDA's rule for pageable transfers), so CPU tensors go through
-    pinned memory (PyTorch's caching host allocator keeps the buffer until the copy is done)."""
-    device = torch.device(device)
-    if t.device.type == "cpu" and device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def rows_on(index: Sequence[int], device: torch.device) -> torch.Tensor:

@@ -12,7 +12,8 @@ import torch
 from transformers.modeling_outputs import BaseModelOutput
 
 from hybridrl.train.attention import BLOCK, check_window, packed_forward_inputs, packed_kernel
-from hybridrl.train.batch import SequenceBatch, to_device
+from hybridrl.models.loading import to_device
+from hybridrl.train.batch import SequenceBatch
 from hybridrl.train.lm_head import token_logprobs
 from hybridrl.train.packing import pack_sequences
 from hybridrl.train.setup import grouped_decoder_forward

@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from hybridrl.train.batch import SequenceBatch, split_indices, to_device
+from hybridrl.models.loading import to_device
+from hybridrl.train.batch import SequenceBatch, split_indices
 
 
 @dataclass

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hybridrl.algos import AdvantageConfig, apply_kl_penalty, get_advantage_estimator, masked_mean, scores_to_token_rewards
-from hybridrl.train.batch import SequenceBatch, build_sequence_batch, pad_per_token, to_device
+from hybridrl.models.loading import to_device
+from hybridrl.train.batch import SequenceBatch, build_sequence_batch, pad_per_token
 from hybridrl.train.oom import generate_in_parts
 from hybridrl.metrics.flops import forward_flops, mfu
 from hybridrl.train.packing import Work

@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from hybridrl.models.loading import to_device
+
 from ..types import GeneratedSequence, GenerationRequest, OnFinished, order_sequences
 from .arch import DecoderWeights, supports
 from .cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
@@ -294,8 +296,8 @@ class NativeBackend:
             real.append(r * width + pos)
         valid_index = torch.cat(real)
         logits = self.decoder.prefill(
-            self._to_device(ids), self._to_device(torch.tensor(lengths)), self._to_device(slots), self.cache,
-            valid_index=self._to_device(valid_index),
+            to_device(ids, dev), to_device(torch.tensor(lengths), dev), to_device(slots, dev), self.cache,
+            valid_index=to_device(valid_index, dev),
         )  # fmt: skip
         # Copy-on-write: the prompt's partial last block was written into sample 0's first own
         # block; every other sample gets its own copy before it appends to it.
@@ -314,12 +316,6 @@ class NativeBackend:
             [len(s.group.prompt_ids) for s in seqs], [s.group.block_table(s.sample_index) for s in seqs],
             row_keys, [s.group.max_tokens for s in seqs],
         )  # fmt: skip
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the engine's device; on CUDA through pinned memory, so the copy is queued
-        behind the GPU's work instead of waiting for the queue to drain (CUDA's rule for pageable
-        copies)."""
-        return t.pin_memory().to(self.device, non_blocking=True) if self.on_cuda else t.to(self.device)
 
     def _decode(self, batch: int, params: SamplingParams, num_steps: int) -> None:
         if self.use_graphs:

@@ -104,7 +104,7 @@ class CacheAddresses:
                 assert delta % align == 0, f"cache layer at {t.data_ptr():#x} is not {align}-byte aligned"
                 offsets.append(delta // size)
         host = torch.tensor(offsets, dtype=torch.int64).view(-1, 2)
-        if self.offsets.is_cuda:  # through pinned memory: no wait for the queue to drain (train/batch.to_device)
+        if self.offsets.is_cuda:  # through pinned memory: no wait for the queue to drain (models.loading.to_device)
             host = host.pin_memory()
         self.offsets.copy_(host, non_blocking=True)
 
