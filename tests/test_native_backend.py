@@ -466,7 +466,12 @@ def test_prefill_picks_the_real_tokens_by_a_host_built_index():
     got = backend.generate(request)
     expected = [r * 32 + t for r, n in enumerate(len(p) for p in prompts) for t in range(n)]
     assert seen[0].tolist() == expected
-    backend.decoder.prefill = lambda *args, valid_index=None, **kwargs: prefill(*args, **kwargs)  # the mask path
+
+    def mask_path(input_ids, lengths, slots, cache, valid_index):  # the index from a boolean mask, on the device
+        valid = torch.arange(input_ids.shape[1])[None] < lengths[:, None]
+        return prefill(input_ids, lengths, slots, cache, valid_index=valid.flatten().nonzero()[:, 0])
+
+    backend.decoder.prefill = mask_path
     want = backend.generate(request)
     assert [o.response_ids for o in got] == [o.response_ids for o in want]
     assert [o.response_logprobs for o in got] == [o.response_logprobs for o in want]

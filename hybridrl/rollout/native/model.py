@@ -40,22 +40,19 @@ class NativeDecoder:
         lengths: torch.Tensor,  # [P] int64
         slots: torch.Tensor,  # [P, L] int64 cache slot of each token (ignored where padded)
         cache: PagedKVCache,
-        valid_index: torch.Tensor | None = None,  # [N] int64: flat places (p * L + t) of the real tokens
+        valid_index: torch.Tensor,  # [N] int64: flat places (p * L + t) of the real tokens
     ) -> torch.Tensor:
         """Writes the prompts' K/V to the cache; returns fp32 logits of each last token [P, V].
 
         Right padding needs no mask under causal attention: a real token only sees earlier
         positions, which are all real; padded positions compute garbage nobody reads. The real
         tokens' K/V are picked by `valid_index`: an index, not a boolean mask, since a mask's
-        result size is known only after a device-to-host sync, and the engine builds the index on
-        the host (without it, one sync here computes it).
+        result size is known only after a device-to-host sync; the engine builds the index on the
+        host.
         """
         spec, w = self.spec, self.weights
         num_prompts, length = input_ids.shape
         d = spec.head_dim
-        if valid_index is None:
-            valid = torch.arange(length, device=input_ids.device)[None] < lengths[:, None]  # [P, L]
-            valid_index = valid.flatten().nonzero()[:, 0]
         valid_slots = slots.flatten()[valid_index]
         cos, sin = self.cos[:length][None, :, None], self.sin[:length][None, :, None]
         x = F.embedding(input_ids, w.embed)  # [P, L, H]
