@@ -13,14 +13,12 @@ from hybridrl.config import Config, algorithm_spec, load_config
 
 def build_trainer(cfg: Config):
     """The engines a config describes: rollout (with the policy), reward, trainer."""
-    import torch
-
     from hybridrl import RolloutEngine, TrainerEngine
     from hybridrl.models import resolve_device
-    from hybridrl.trainer.engine import reward_from_config
+    from hybridrl.trainer.engine import reward_from_config, set_host_threads
 
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
+    # Before loading, so that it runs with the threads the step will have (TrainerEngine sets the same).
+    set_host_threads(cfg.train.num_threads, resolve_device(cfg.train.device))
     m, r = cfg.model, cfg.rollout
     if cfg.algorithm.name == "rm":  # a reward model is a sequence classifier started from model.path, not a generator
         from hybridrl.reward.model import TrainableRewardModel
