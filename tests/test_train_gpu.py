@@ -96,6 +96,29 @@ def test_packed_logprobs_and_gradients_match_padded(dtype, kernel):
 
 
 @gpu
+def test_gradient_made_in_the_lm_head_forward_matches_the_backwards_in_bf16():
+    """response_logprobs_with_grad on the GPU path (bf16, flash, the Triton statistics and gradient
+    kernels): the same log-probs and parameter gradients as the two-pass lm_head."""
+    from hybridrl.train.logprobs import response_logprobs_with_grad
+
+    model = _model(torch.bfloat16).train()
+    enable_packed_attention(model, "flash")
+    batch = dataclasses.replace(_batch(), packed=True)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    a = torch.randn(batch.response_mask.shape, device="cuda", generator=g) * batch.response_mask
+    objective = lambda lp, ent: (a * torch.exp(lp - lp.detach()) + 0.1 * a * ent).sum() / a.numel()  # noqa: E731
+    params = list(model.parameters())
+    lp, ent = response_logprobs(model, batch, with_entropy=True)
+    want = torch.autograd.grad(objective(lp, ent), params)
+    lp_f, ent_f, zero = response_logprobs_with_grad(model, batch, objective)
+    got = torch.autograd.grad(zero, params)
+    torch.testing.assert_close(lp_f, lp.detach())
+    torch.testing.assert_close(ent_f, ent.detach())
+    for x, y in zip(got, want):
+        assert (x.float() - y.float()).abs().max() <= 1e-2 * y.float().abs().max() + 1e-6
+
+
+@gpu
 def test_log_prob_pass_never_waits_for_the_gpu():
     """A pass without gradients (reference, old policy) over several micro-batches queues its work
     without one host sync: a sync there lets the GPU run dry while the host packs the next row.

@@ -48,6 +48,39 @@ def test_chunked_logprobs_entropy_and_gradients_equal_full_logits(temperature, w
         torch.testing.assert_close(got, want, atol=1e-11, rtol=1e-11)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("chunk", [1, 8, 1000])
+def test_gradient_made_in_the_forward_equals_the_backwards(temperature, with_bias, chunk):
+    """token_logprobs_with_grad: for a loss of per-token terms (here nonlinear in each token's
+    log-prob and entropy), the gradient it makes in the forward pass is the full-logits one."""
+    g = torch.Generator().manual_seed(1)
+    N, H, V = 37, 16, 50
+    hidden = torch.randn(N, H, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(V, H, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(V, dtype=torch.float64, generator=g, requires_grad=True) if with_bias else None
+    labels = torch.randint(0, V, (N,), generator=g)
+    a, b = torch.randn(N, dtype=torch.float64, generator=g), torch.randn(N, dtype=torch.float64, generator=g)
+    inputs = [t for t in (hidden, weight, bias) if t is not None]
+    term = lambda lp, ent: (a * torch.exp(lp) + b * ent**2).sum()  # noqa: E731
+    calls = []
+
+    def token_grads(rows, lp, ent):
+        calls.append(rows)
+        lp, ent = lp.detach().requires_grad_(), ent.detach().requires_grad_()
+        with torch.enable_grad():
+            return torch.autograd.grad((a[rows] * torch.exp(lp) + b[rows] * ent**2).sum(), [lp, ent])
+
+    lp, ent, zero = lm_head.token_logprobs_with_grad(hidden, weight, bias, labels, token_grads, temperature=temperature, chunk=chunk)
+    ref_lp, ref_ent = _full(hidden, weight, bias, labels, temperature)
+    torch.testing.assert_close(lp, ref_lp.detach(), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(ent, ref_ent.detach(), atol=1e-12, rtol=1e-12)
+    assert not lp.requires_grad and zero.item() == 0.0 and len(calls) == -(-N // chunk)
+    scale = 0.5  # the incoming gradient scales what was made
+    for got, want in zip(torch.autograd.grad(scale * zero, inputs), torch.autograd.grad(scale * term(ref_lp, ref_ent), inputs)):
+        torch.testing.assert_close(got, want, atol=1e-11, rtol=1e-11)
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_model_logprobs_and_entropy_equal_a_full_forward(tiny_model_path, packed):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()

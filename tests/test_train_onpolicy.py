@@ -91,3 +91,42 @@ def test_offloaded_weights_share_one_aligned_buffer_per_dtype():
     offloaded.prefetch()  # off CUDA: nothing to copy
     assert not offloaded.prefetched
 
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize(
+    "algo",
+    [
+        dict(kl_coef=0.1, kl_estimator="k3"),
+        dict(kl_coef=0.1, kl_estimator="k1", loss_agg="seq-mean-token-mean", entropy_coef=0.01),
+        dict(kl_coef=0.05, kl_estimator="k2", loss_agg="seq-mean-token-sum-norm", dual_clip=3.0, clip_high=0.28),
+        dict(kl_coef=0.0, loss_agg="seq-mean-token-sum", entropy_coef=0.02),
+    ],
+)
+@pytest.mark.parametrize("off_policy", [False, True])
+def test_gradient_made_in_the_lm_head_forward_changes_no_result(tiny_model_path, packed, algo, off_policy):
+    """train.fused_logprob_grad: the policy loss's gradient made in the lm_head's forward pass gives
+    the update the two-pass lm_head gives: metrics and parameters after two PPO epochs over
+    token-budget micro-batches, on-policy and against other old log-probs (the clip then acts)."""
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    enable_packed_attention(base)
+    reference = copy.deepcopy(base).requires_grad_(False)
+    batch = _batch(packed)
+    batch["ref_logprobs"], _ = batched_logprobs(reference, batch, micro_batch_size=8, temperature=1.0, max_tokens=40)
+    if off_policy:
+        noise = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(3))
+        batch["old_logprobs"] = batch["ref_logprobs"] + 0.5 * noise * batch.response_mask
+    models, results = [copy.deepcopy(base), copy.deepcopy(base)], []
+    for model, fused in zip(models, (False, True)):
+        cfg = TrainConfig(batch_size=16, micro_batch_size=8, lr=1e-3, max_tokens_per_micro_batch=40, ppo_epochs=2,
+                          fused_logprob_grad=fused)  # fmt: skip
+        opt = build_optimizer(model, lr=cfg.lr, weight_decay=0.0, betas=cfg.adam_betas, eps=cfg.adam_eps)
+        sched = build_scheduler(opt, warmup_steps=0, total_steps=10, schedule="constant")
+        trainer = PolicyTrainer(model, opt, sched, cfg, AlgorithmConfig(**algo), temperature=0.9)
+        results.append(trainer.update(batch, shuffle_seed=0)[0])
+    assert results[0].keys() == results[1].keys()
+    for key in results[0]:
+        assert results[1][key] == pytest.approx(results[0][key], rel=1e-5, abs=1e-6), key
+    assert (results[0]["actor/pg_clipfrac"] > 0) == off_policy
+    for pa, pb in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(pb, pa, atol=1e-6, rtol=1e-5)

@@ -127,6 +127,9 @@ class TrainConfig:
     # native rollout engine does (rollout.fp32_residual): log-probs closer to exact and to the rollout's;
     # with gradient checkpointing each layer's saved input takes fp32 instead of bf16
     fp32_residual: bool = False
+    # The policy update's lm_head makes its gradient in its forward pass, since the policy loss's derivative
+    # for a token is known once the token's log-prob is: each chunk of logits is computed once, not twice
+    fused_logprob_grad: bool = True
     compile: bool = False  # torch.compile the decoder of the policy, reference and critic; for the native rollout backend (hf generate recompiles per shape)
     # Decoder layers per compiled graph (train.compile, packed rows, llama/mistral/qwen2/qwen3): 1 compiles
     # each layer (~3 compiled calls per layer per micro-batch); N > 1 runs groups of N layers with their

@@ -8,11 +8,15 @@ chunk's logits (one GEMM) and turns them into the logit gradient in place:
     d lp / d z_j = [j = y] - p_j,     d H / d z_j = p_j (logsumexp(z) - H - z_j)
 
 So the memory of this phase is one chunk of logits in the model's dtype, whatever the batch size.
+`token_logprobs_with_grad` does the backward's work in the forward, for losses whose per-token
+derivative is known once the token's log-prob is (the policy loss): one logits GEMM per chunk, not two.
 On CUDA the per-row statistics and the gradient are one Triton pass over the chunk each
 (triton_logprobs.py); elsewhere the PyTorch functions below compute the same in fp32.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -116,6 +120,69 @@ class _LinearLogprobs(torch.autograd.Function):
             if grad_b is not None:
                 grad_b += grad.sum(0, dtype=lse.dtype)
         return grad_h, grad_w, grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None
+
+
+class _PrecomputedGrads(torch.autograd.Function):
+    """A zero whose backward hands out gradients already computed (token_logprobs_with_grad),
+    scaled in place by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, grad_h, grad_w, grad_b):
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        return hidden.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, g):
+        grads = tuple(None if t is None else t.mul_(g) for t in ctx.saved_tensors)  # each buffer is used once
+        return (*grads, None, None, None)
+
+
+def token_logprobs_with_grad(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    token_grads: Callable[[slice, torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, torch.Tensor | None]],
+    *,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """token_logprobs for a loss whose derivative with respect to each token's log-prob and entropy
+    is known as soon as that token's are: the gradient is made in the forward pass, so each chunk's
+    logits are computed once instead of twice (forward, then again in the backward).
+
+    `token_grads(rows, lp, entropy)` returns (d loss / d lp, d loss / d entropy) `[c]` for the tokens
+    `rows` (either may be None: no such term). Returns the log-probs and entropy `[N]` (fp32,
+    detached) and a 0-dim zero whose backward delivers the gradient of that loss to `hidden`,
+    `weight` and `bias`: add it to the loss. The weight's gradient is held from here to the backward."""
+    inv_temp = 1.0 / temperature if temperature > 0 else 1.0
+    N = hidden.shape[0]
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    with torch.no_grad():
+        lse, lp, entropy = (torch.empty(N, dtype=dtype, device=hidden.device) for _ in range(3))
+        grad_h = torch.empty_like(hidden) if hidden.requires_grad else None
+        grad_w = torch.zeros_like(weight) if weight.requires_grad and N else None
+        grad_b = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if bias is not None and bias.requires_grad and N else None
+        for s in range(0, N, chunk):
+            sl = slice(s, s + chunk)
+            h = hidden[sl]
+            logits = F.linear(h, weight, bias)
+            logit_stats(logits, labels[sl], inv_temp, out=(lse[sl], lp[sl], entropy[sl]))
+            g_lp, g_ent = token_grads(sl, lp[sl], entropy[sl])
+            if g_lp is None and g_ent is None:
+                if grad_h is not None:
+                    grad_h[sl] = 0
+                continue
+            grad = logit_grad(logits, labels[sl], lse[sl], entropy[sl], g_lp, g_ent, inv_temp)
+            del logits
+            if grad_h is not None:
+                torch.mm(grad, weight, out=grad_h[sl])
+            if grad_w is not None:
+                grad_w.addmm_(grad.t(), h)
+            if grad_b is not None:
+                grad_b += grad.sum(0, dtype=dtype)
+    grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
+    return lp, entropy, _PrecomputedGrads.apply(hidden, weight, bias, grad_h, grad_w, grad_b)
 
 
 def token_logprobs(

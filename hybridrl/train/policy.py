@@ -7,7 +7,7 @@ import torch
 from hybridrl.algos import aggregate_loss, get_policy_loss, kl_penalty, masked_mean
 from hybridrl.config import AlgorithmConfig, TrainConfig
 from hybridrl.train.batch import SequenceBatch, rows_on
-from hybridrl.train.logprobs import response_logprobs
+from hybridrl.train.logprobs import response_logprobs, response_logprobs_with_grad
 from hybridrl.train.packing import Work, micro_batch_work, micro_batches
 from hybridrl.train.epochs import update_epochs
 
@@ -59,24 +59,37 @@ class PolicyTrainer:
         return metrics, skipped
 
     def _loss(self, micro: SequenceBatch, *, num_tokens: float, num_seqs: float, max_len: int):
-        algo = self.algo
-        # Entropy is always computed: it is reported every step, and costs little next to the logits.
-        logprobs, entropy = response_logprobs(self.model, micro, temperature=self.temperature, with_entropy=True)
-        mask = micro.response_mask
         agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_response_length=max_len)
+        # Entropy is always computed: it is reported every step, and costs little next to the logits.
+        if self.train_cfg.fused_logprob_grad:
+            # The objective is a sum of per-token terms, so its gradient is made in the lm_head's
+            # forward pass (logprobs.response_logprobs_with_grad): each chunk's logits once, not twice.
+            objective = lambda lp, ent: self._objective(micro, lp, ent, agg, with_metrics=False)[0]  # noqa: E731
+            logprobs, entropy, surrogate = response_logprobs_with_grad(self.model, micro, objective, temperature=self.temperature)
+            loss, metrics = self._objective(micro, logprobs, entropy, agg)
+            return loss.detach() + surrogate, metrics
+        logprobs, entropy = response_logprobs(self.model, micro, temperature=self.temperature, with_entropy=True)
+        return self._objective(micro, logprobs, entropy, agg)
+
+    def _objective(self, micro: SequenceBatch, logprobs: torch.Tensor, entropy: torch.Tensor, agg: dict, *, with_metrics: bool = True):
+        """The policy loss of a micro-batch from its log-probs and entropy `[B, T]`: PPO-clip, minus
+        the entropy bonus, plus the KL to the reference; a sum of per-token terms whatever the
+        aggregation (response_logprobs_with_grad relies on it). Returns (loss, metrics)."""
+        algo = self.algo
+        mask = micro.response_mask
         metrics: dict = {}  # 0-dim tensors: read once per mini-batch (update._accumulate)
         if "old_logprobs" in micro:
             old_logprobs = micro["old_logprobs"]
         else:  # exactly on-policy: this pass IS the old-log-prob pass (see rl_step.compute_old_logprobs)
             old_logprobs = logprobs.detach()
-            if "rollout_logprobs" in micro:
+            if "rollout_logprobs" in micro and with_metrics:
                 metrics.update(logprob_diff_metrics(old_logprobs, micro["rollout_logprobs"], mask, as_tensors=True))
         pg_loss, pg_metrics = self.policy_loss(
             logprobs, old_logprobs, micro["advantages"], mask,
             clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, loss_agg=algo.loss_agg, **agg,
         )
         loss = pg_loss
-        metrics |= {
+        metrics |= {} if not with_metrics else {
             "actor/pg_loss": pg_loss.detach(),
             "actor/pg_clipfrac": pg_metrics["pg_clipfrac"],
             "actor/pg_clipfrac_lower": pg_metrics["pg_clipfrac_lower"],
@@ -88,9 +101,11 @@ class PolicyTrainer:
             loss = loss - algo.entropy_coef * ent_loss
         if "ref_logprobs" in micro:
             kl = kl_penalty(logprobs, micro["ref_logprobs"], algo.kl_estimator)
-            metrics["actor/kl"] = masked_mean(kl.detach(), mask)
+            if with_metrics:
+                metrics["actor/kl"] = masked_mean(kl.detach(), mask)
             if algo.kl_coef > 0 and not algo.kl_in_reward:
                 kl_loss = aggregate_loss(kl, mask, algo.loss_agg, **agg)
                 loss = loss + algo.kl_coef * kl_loss
-                metrics["actor/kl_loss"] = kl_loss.detach()
+                if with_metrics:
+                    metrics["actor/kl_loss"] = kl_loss.detach()
         return loss, metrics
