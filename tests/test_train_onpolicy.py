@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -120,7 +121,7 @@ def test_gradient_made_in_the_lm_head_forward_changes_no_result(tiny_model_path,
     for model, fused in zip(models, (False, True)):
         cfg = TrainConfig(batch_size=16, micro_batch_size=8, lr=1e-3, max_tokens_per_micro_batch=40, ppo_epochs=2,
                           fused_logprob_grad=fused)  # fmt: skip
-        opt = build_optimizer(model, lr=cfg.lr, weight_decay=0.0, betas=cfg.adam_betas, eps=cfg.adam_eps)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # the update is the gradient: compared as it is
         sched = build_scheduler(opt, warmup_steps=0, total_steps=10, schedule="constant")
         trainer = PolicyTrainer(model, opt, sched, cfg, AlgorithmConfig(**algo), temperature=0.9)
         results.append(trainer.update(batch, shuffle_seed=0)[0])
@@ -130,3 +131,18 @@ def test_gradient_made_in_the_lm_head_forward_changes_no_result(tiny_model_path,
     assert (results[0]["actor/pg_clipfrac"] > 0) == off_policy
     for pa, pb in zip(*(m.parameters() for m in models)):
         torch.testing.assert_close(pb, pa, atol=1e-6, rtol=1e-5)
+    assert any((pa - pb0).abs().max() > 1e-4 for pa, pb0 in zip(models[0].parameters(), base.parameters()))  # it moved
+
+
+def test_an_estimator_without_a_closed_form_derivative_takes_the_two_pass_lm_head(tiny_model_path, monkeypatch):
+    import hybridrl.train.policy as policy_module
+
+    monkeypatch.setattr(policy_module, "KL_ESTIMATOR_GRADS", {})
+    calls, two_pass = [], policy_module.response_logprobs
+    monkeypatch.setattr(policy_module, "response_logprobs", lambda *a, **k: (calls.append(1), two_pass(*a, **k))[1])
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    enable_packed_attention(model)
+    batch = _batch(True)
+    batch["ref_logprobs"] = torch.zeros(batch.response_mask.shape)
+    metrics, _ = _trainer(model, max_tokens_per_micro_batch=40).update(batch, shuffle_seed=0)
+    assert calls and math.isfinite(metrics["actor/kl"])

@@ -46,6 +46,30 @@ def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
     return (torch.exp(ref_minus_logp) - ref_minus_logp - 1.0).clamp(-10.0, 10.0)
 
 
+def _k3_grad(log_ratio: torch.Tensor) -> torch.Tensor:
+    ref_minus_logp = -log_ratio
+    r = ref_minus_logp.clamp(-20.0, 20.0)
+    raw = torch.exp(r) - r - 1.0
+    return -(torch.exp(r) - 1.0) * ((ref_minus_logp >= -20.0) & (ref_minus_logp <= 20.0)) * ((raw >= -10.0) & (raw <= 10.0))
+
+
+# d estimator / d log_ratio in closed form (what autograd gives, clamp bounds included), for the
+# policy update's lm_head, which makes its gradient in its forward pass. An estimator missing here
+# makes the update take the two-pass lm_head.
+KL_ESTIMATOR_GRADS: dict[str, KLEstimator] = {
+    "k1": torch.ones_like,
+    "abs": torch.sgn,
+    "k2": lambda log_ratio: log_ratio,
+    "k3": _k3_grad,
+    "low_var_kl": _k3_grad,
+}
+
+
+def kl_penalty_grad(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """d kl_penalty / d logprobs per token, in closed form (KeyError for an estimator without one)."""
+    return KL_ESTIMATOR_GRADS[estimator](logprobs - ref_logprobs)
+
+
 def kl_penalty(
     logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str
 ) -> torch.Tensor:

@@ -64,19 +64,9 @@ def ppo_policy_loss(
         raise ValueError(f"dual_clip must be > 1 (typically 3), or None to disable; "
                          f"got {dual_clip}")
 
-    log_ratio = (logprobs - old_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    token_losses = torch.maximum(unclipped, clipped)
-    clip_active = clipped > unclipped
-
-    dual_active = torch.zeros_like(clip_active)
-    if dual_clip is not None:
-        cap = -advantages * dual_clip
-        dual_active = (advantages < 0) & (token_losses > cap)
-        token_losses = torch.where(dual_active, cap, token_losses)
-
+    token_losses, log_ratio, clip_active, dual_active = _ppo_token_losses(
+        logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip
+    )
     loss = aggregate_loss(token_losses, response_mask, loss_agg, num_tokens=num_tokens,
                           num_seqs=num_seqs, max_response_length=max_response_length)
     metrics = {
@@ -86,3 +76,47 @@ def ppo_policy_loss(
         "ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
     }
     return loss, metrics
+
+
+def _ppo_token_losses(logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip):
+    """ppo_policy_loss per token: (token losses, log-ratio, clip active, dual clip active)."""
+    log_ratio = (logprobs - old_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    token_losses = torch.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+    dual_active = torch.zeros_like(clip_active)
+    if dual_clip is not None:
+        cap = -advantages * dual_clip
+        dual_active = (advantages < 0) & (token_losses > cap)
+        token_losses = torch.where(dual_active, cap, token_losses)
+    return token_losses, log_ratio, clip_active, dual_active
+
+
+def ppo_token_loss_grad(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> torch.Tensor:
+    """The derivative of ppo_policy_loss's per-token loss (before aggregation) with respect to each
+    token's log-prob, in closed form: what autograd gives through it, ties and bounds included
+    (torch.maximum splits the gradient of equal branches evenly; clamp passes it at its bounds).
+    For the policy update's lm_head, which makes its gradient in its forward pass."""
+    raw = logprobs - old_logprobs
+    log_ratio = raw.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    in_range = (ratio >= 1.0 - clip_low) & (ratio <= 1.0 + clip_high)
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    share = torch.where(unclipped > clipped, 1.0, torch.where(unclipped == clipped, 0.5, 0.0))  # of the unclipped branch
+    d_ratio = -advantages * (share + (1.0 - share) * in_range)
+    grad = d_ratio * ratio * ((raw >= -_MAX_LOG_RATIO) & (raw <= _MAX_LOG_RATIO))
+    if dual_clip is not None:
+        token_losses = torch.maximum(unclipped, clipped)
+        grad = torch.where((advantages < 0) & (token_losses > -advantages * dual_clip), 0.0, grad)
+    return grad

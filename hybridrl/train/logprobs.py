@@ -70,38 +70,27 @@ def response_logprobs(
 def response_logprobs_with_grad(
     model: torch.nn.Module,
     batch: SequenceBatch,
-    objective: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    derivatives: Callable[..., tuple[torch.Tensor | None, torch.Tensor | None]],
+    inputs: dict[str, torch.Tensor],
     *,
     temperature: float = 1.0,
     chunk_size: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """response_logprobs for a loss `objective(logprobs [B, T], entropy [B, T])` that is a sum of
-    per-token terms, each depending on its own token's log-prob and entropy alone (the policy loss:
-    PPO-clip, KL to the reference, entropy bonus, under any loss aggregation). Returns log-probs and
-    entropy `[B, T]` (detached) and a 0-dim zero carrying the objective's gradient: add it to the
-    loss (`lm_head.token_logprobs_with_grad`: the lm_head's logits are computed once, not twice).
-
-    Each chunk of tokens gets its derivatives from `objective` evaluated on the log-probs known so
-    far, zeros elsewhere. That is exact because the objective is a sum of per-token terms: a
-    placeholder changes only its own token's term, never another token's derivative."""
+    """response_logprobs for a loss that is a sum of per-token terms, each depending on its own
+    token's log-prob and entropy alone (the policy loss: PPO-clip, KL to the reference, entropy
+    bonus, under any loss aggregation). `derivatives(lp, entropy, **inputs)` gives the loss's
+    derivatives (d / d lp, d / d entropy; either may be None) for a chunk of tokens `[c]`, with
+    `inputs` (`[B, T]` tensors) picked at those tokens. Returns log-probs and entropy `[B, T]`
+    (detached) and a 0-dim zero carrying the loss's gradient: add it to the loss
+    (`lm_head.token_logprobs_with_grad`: each chunk's logits are computed once, not twice)."""
     base = getattr(model, model.base_model_prefix)
     out, positions, labels, target = _run(base, batch)
     hidden = out.last_hidden_state.flatten(0, 1)[positions]  # [N, H]
     head = model.get_output_embeddings()
-    B, T = batch.response_mask.shape
-    known_lp = hidden.new_zeros(B * T, dtype=torch.float32)
-    known_ent = hidden.new_zeros(B * T, dtype=torch.float32)
+    per_token = {k: v.reshape(-1)[target] for k, v in inputs.items()}  # in the lm_head's token order, once
 
     def token_grads(rows: slice, lp: torch.Tensor, ent: torch.Tensor):
-        places = target[rows]
-        known_lp.index_copy_(0, places, lp.float())
-        known_ent.index_copy_(0, places, ent.float())
-        with torch.enable_grad():
-            lp_leaf = known_lp.detach().view(B, T).requires_grad_()
-            ent_leaf = known_ent.detach().view(B, T).requires_grad_()
-            loss = objective(lp_leaf, ent_leaf)
-            grads = torch.autograd.grad(loss, [lp_leaf, ent_leaf], allow_unused=True)
-        return tuple(None if g is None else g.reshape(-1)[places] for g in grads)
+        return derivatives(lp, ent, **{k: v[rows] for k, v in per_token.items()})
 
     logprobs, entropy, surrogate = token_logprobs_with_grad(
         hidden, head.weight, head.bias, labels, token_grads, temperature=temperature, chunk=chunk_size

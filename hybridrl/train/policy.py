@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from hybridrl.algos import aggregate_loss, get_policy_loss, kl_penalty, masked_mean
+from hybridrl.algos.kl import KL_ESTIMATOR_GRADS, kl_penalty_grad
+from hybridrl.algos.policy_loss import ppo_token_loss_grad
 from hybridrl.config import AlgorithmConfig, TrainConfig
 from hybridrl.train.batch import SequenceBatch, rows_on
 from hybridrl.train.logprobs import response_logprobs, response_logprobs_with_grad
@@ -61,15 +63,47 @@ class PolicyTrainer:
     def _loss(self, micro: SequenceBatch, *, num_tokens: float, num_seqs: float, max_len: int):
         agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_response_length=max_len)
         # Entropy is always computed: it is reported every step, and costs little next to the logits.
-        if self.train_cfg.fused_logprob_grad:
-            # The objective is a sum of per-token terms, so its gradient is made in the lm_head's
-            # forward pass (logprobs.response_logprobs_with_grad): each chunk's logits once, not twice.
-            objective = lambda lp, ent: self._objective(micro, lp, ent, agg, with_metrics=False)[0]  # noqa: E731
-            logprobs, entropy, surrogate = response_logprobs_with_grad(self.model, micro, objective, temperature=self.temperature)
+        if self.train_cfg.fused_logprob_grad and self._closed_form():
+            # The objective is a sum of per-token terms whose derivatives are known in closed form,
+            # so its gradient is made in the lm_head's forward pass: each chunk's logits once, not twice.
+            derivatives, inputs = self._token_derivatives(micro, agg)
+            logprobs, entropy, surrogate = response_logprobs_with_grad(
+                self.model, micro, derivatives, inputs, temperature=self.temperature
+            )  # fmt: skip
             loss, metrics = self._objective(micro, logprobs, entropy, agg)
             return loss.detach() + surrogate, metrics
         logprobs, entropy = response_logprobs(self.model, micro, temperature=self.temperature, with_entropy=True)
         return self._objective(micro, logprobs, entropy, agg)
+
+    def _closed_form(self) -> bool:
+        algo = self.algo
+        return not (algo.kl_coef > 0 and not algo.kl_in_reward and algo.kl_estimator not in KL_ESTIMATOR_GRADS)
+
+    def _token_derivatives(self, micro: SequenceBatch, agg: dict):
+        """The derivatives of _objective with respect to each token's log-prob and entropy, in
+        closed form (algos: ppo_token_loss_grad, kl_penalty_grad), as a function of a chunk of
+        tokens, and the `[B, T]` inputs it reads. Each token's weight in the loss aggregation is the
+        aggregation's own derivative (it is linear in the per-token losses)."""
+        algo, mask = self.algo, micro.response_mask
+        probe = torch.zeros_like(mask, dtype=torch.float32, requires_grad=True)
+        with torch.enable_grad():
+            (weight,) = torch.autograd.grad(aggregate_loss(probe, mask, algo.loss_agg, **agg), probe)
+        inputs = {"weight": weight, "advantages": micro["advantages"]}
+        if "old_logprobs" in micro:
+            inputs["old"] = micro["old_logprobs"]
+        use_kl = "ref_logprobs" in micro and algo.kl_coef > 0 and not algo.kl_in_reward
+        if use_kl:
+            inputs["ref"] = micro["ref_logprobs"]
+
+        def derivatives(lp, ent, weight, advantages, old=None, ref=None):
+            old = lp if old is None else old  # exactly on-policy: the old log-probs are these
+            g_lp = ppo_token_loss_grad(lp, old, advantages, clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip)
+            if use_kl:
+                g_lp = g_lp + algo.kl_coef * kl_penalty_grad(lp, ref, algo.kl_estimator)
+            g_ent = -algo.entropy_coef * weight if algo.entropy_coef > 0 else None
+            return weight * g_lp, g_ent
+
+        return derivatives, inputs
 
     def _objective(self, micro: SequenceBatch, logprobs: torch.Tensor, entropy: torch.Tensor, agg: dict, *, with_metrics: bool = True):
         """The policy loss of a micro-batch from its log-probs and entropy `[B, T]`: PPO-clip, minus
