@@ -55,9 +55,11 @@ class Workload:
     n: int = 8
     max_tokens: int = 512
     grad_accum: int = 16  # TRL: micro-batches per optimizer step (per_device_train_batch_size = responses / this)
-    # hybridrl's token budget per forward/backward: TRL's micro-batch, 16 responses x (256 + 512) tokens
-    max_tokens_per_micro_batch: int = 12288
-    max_tokens_per_forward: int = 32768  # hybridrl's budget of the no-grad reference pass
+    # hybridrl's token budget per forward/backward: about TRL's micro-batch (16 responses x (256 + 512) =
+    # 12,288 tokens), rounded up to three whole prompt groups (3 x (256 + 8 x 512) = 13,056 = 17 x 768)
+    # so that no group is split between micro-batches and no prompt is computed twice
+    max_tokens_per_micro_batch: int = 13056
+    max_tokens_per_forward: int = 34816  # the no-grad reference pass: eight whole groups
     lr: float = 1e-6
     beta: float = 0.04  # KL coefficient
 

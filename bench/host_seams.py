@@ -31,7 +31,7 @@ from hybridrl.train.batch import build_sequence_batch, pad_per_token
 from hybridrl.train.packing import _rows, micro_batch_work, pack_sequences, plan_micro_batches
 
 VOCAB = 151936
-REF_BUDGET, TRAIN_BUDGET = 32768, 12288  # train.max_tokens_per_forward, train.max_tokens_per_micro_batch
+REF_BUDGET, TRAIN_BUDGET = 34816, 13056  # train.max_tokens_per_forward, train.max_tokens_per_micro_batch
 
 
 def rollout(args, rng: np.random.Generator):

