@@ -3,7 +3,7 @@
     python bench/flex_attention.py                 # 16,384-token micro-batch, W0.5B heads
     python bench/flex_attention.py --tokens 32768
     python bench/flex_attention.py --backward      # backward tiles, forward tiles fixed
-    python bench/flex_attention.py --kernels       # train.packed_attention: flash against flex (our tiles)
+    python bench/flex_attention.py --kernels       # train.packed_attention: flash, flex (our tiles), fa4 (if installed)
 
 The micro-batch is laid out as training lays it out (hybridrl/train/packing.py): per prompt group
 `[prompt 256 | 8 responses x 512]`, each response seeing its prompt and its own earlier tokens,
@@ -15,6 +15,7 @@ backward. GPU only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from types import SimpleNamespace
@@ -81,6 +82,20 @@ def timed(fn, repeats: int, rounds: int = 3) -> float:
     return best
 
 
+def host_time(fn, calls: int = 20) -> float:
+    """Host seconds to issue one call, the GPU idle first (a kernel launched from Python pays its
+    argument checks and launch on the host: at ~0.2 ms a forward, 24 layers x 3 calls x 11
+    micro-batches would hold a training step's GPU back)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = (time.perf_counter() - t0) / calls
+    torch.cuda.synchronize()
+    return t
+
+
 def compare_kernels(args, device) -> dict:
     """flash (varlen segments, keys gathered) against flex (block mask, FLEX_KERNEL_OPTIONS) on the
     row training builds (packing.pack_sequences), as the attention function calls them."""
@@ -119,7 +134,12 @@ def compare_kernels(args, device) -> dict:
     def run_flash(q, k, v):
         return _flash_varlen_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], seg, scale)
 
-    candidates = {"flex": run_flex, "flash": run_flash}
+    seg4 = dataclasses.replace(seg, kernel="fa4")
+
+    def run_fa4(q, k, v):
+        return _flash_varlen_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], seg4, scale)
+
+    candidates = {"flex": run_flex, "flash": run_flash, "fa4": run_fa4}
     results, outs, grads = {}, {}, {}
     for name, fn in candidates.items():
         if args.only and name not in args.only:
@@ -130,15 +150,18 @@ def compare_kernels(args, device) -> dict:
                 outs[name] = fn(q, k, v).float()
             fwd = timed(lambda: fn(q.detach(), k.detach(), v.detach()), args.repeats)
             both = timed(lambda: fn(q, k, v).backward(grad), args.repeats)
+            host = host_time(lambda: fn(q.detach(), k.detach(), v.detach()))
             q.grad = k.grad = v.grad = None
             fn(q, k, v).backward(grad)
             grads[name] = [t.grad.float() for t in (q, k, v)]
         except Exception as e:  # a kernel this GPU / build does not have: report and go on
             print(f"{name:6s} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
             continue
-        results[name] = {"fwd_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3, "fwd_tflops": flops / fwd / 1e12, "fwd_bwd_tflops": 3.5 * flops / both / 1e12}
+        results[name] = {"fwd_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3, "fwd_tflops": flops / fwd / 1e12, "fwd_bwd_tflops": 3.5 * flops / both / 1e12,
+                         "fwd_host_ms": host * 1e3}  # fmt: skip
         r = results[name]
-        print(f"{name:6s} fwd {r['fwd_ms']:7.3f} ms ({r['fwd_tflops']:5.1f} TFLOP/s)  fwd+bwd {r['fwd_bwd_ms']:7.3f} ms ({r['fwd_bwd_tflops']:5.1f} TFLOP/s)", flush=True)
+        print(f"{name:6s} fwd {r['fwd_ms']:7.3f} ms ({r['fwd_tflops']:5.1f} TFLOP/s)  fwd+bwd {r['fwd_bwd_ms']:7.3f} ms ({r['fwd_bwd_tflops']:5.1f} TFLOP/s)"
+              f"  host {r['fwd_host_ms']:.3f} ms a forward call", flush=True)  # fmt: skip
     print(f"{n} packed tokens ({groups} prompt groups), {pairs:,} attended pairs")
     if "flash" in outs:
         for name in outs:

@@ -6,6 +6,9 @@ Two kernels serve packed rows on CUDA (`train.packed_attention`):
   front of its own (a 256-byte-per-token copy at W0.5B shapes), and causality is counted from the
   bottom right, so response token t sees the whole prompt and its own tokens up to t.
 - `flex`: a FlexAttention `BlockMask` over the row: tiles outside every sequence are skipped.
+- `fa4`: the same segments through FlashAttention-4's CuTe kernels (`pip install flash-attn-4`;
+  Hopper and Blackwell kernels with wgmma / tcgen05, where PyTorch's FlashAttention-2 uses mma.sync).
+  Optional: asked for without the package, it is an error that says what to install.
 `auto` takes flash where it runs (an sm80+ GPU, bf16 / fp16, head dim <= 256), else flex. On an H200
 at W0.5B shapes (bench/flex_attention.py --kernels, 13k packed tokens) flash takes forward + backward
 from 1.149 ms to 0.793 ms (its forward alone is slower: 0.201 ms against 0.164 ms); in a profiled
@@ -22,6 +25,7 @@ the model, once, to an implementation registered here that serves both kinds of 
 from __future__ import annotations
 
 import functools
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +47,8 @@ SUPPORTED_BASES = ("sdpa", "eager", NAME)
 FLEX_KERNEL_OPTIONS = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 
 
-KERNELS = ("auto", "flash", "flex")
+KERNELS = ("auto", "flash", "flex", "fa4")
+VARLEN_KERNELS = ("flash", "fa4")  # the kernels that take VarlenSegments
 
 
 @dataclass
@@ -56,6 +61,7 @@ class VarlenSegments:
     kv_index: torch.Tensor
     max_q: int
     max_k: int
+    kernel: str = "flash"  # "flash" (PyTorch's FlashAttention-2) or "fa4" (FlashAttention-4's CuTe kernels)
 
 
 @torch.library.custom_op("hybridrl::varlen_attention", mutates_args=())
@@ -124,6 +130,57 @@ def _varlen_backward(ctx, grad_out, _grad_lse):
 varlen_attention.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
+@torch.library.custom_op("hybridrl::fa4_varlen_attention", mutates_args=())
+def fa4_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                         max_q: int, max_k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`varlen_attention`'s contract (same layouts, causal from the bottom right) through
+    FlashAttention-4's CuTe kernels; off CUDA the same dense reference."""
+    if q.is_cuda:
+        from flash_attn.cute.interface import _flash_attn_fwd
+
+        out, lse, *_ = _flash_attn_fwd(
+            q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+            softmax_scale=scale, causal=True, return_lse=True,
+        )  # fmt: skip
+        return out, lse
+    return _varlen_reference_forward(q, k, v, cu_q, cu_k, scale)
+
+
+@fa4_varlen_attention.register_fake
+def _(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("hybridrl::fa4_varlen_attention_backward", mutates_args=())
+def fa4_varlen_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                                  lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
+                                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dq, dk, dv) of `fa4_varlen_attention`."""
+    if q.is_cuda:
+        from flash_attn.cute.interface import _flash_attn_bwd
+
+        dq, dk, dv = _flash_attn_bwd(
+            q, k, v, out, grad_out.contiguous(), lse, scale, True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+            max_seqlen_q=max_q, max_seqlen_k=max_k,
+        )  # fmt: skip
+        return dq, dk, dv
+    return _varlen_reference_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, scale)
+
+
+@fa4_varlen_attention_backward.register_fake
+def _(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fa4_backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = fa4_varlen_attention_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None
+
+
+fa4_varlen_attention.register_autograd(_fa4_backward, setup_context=_varlen_setup_context)
+
+
 def _varlen_visible(cu_q: torch.Tensor, cu_k: torch.Tensor, Tq: int, Tk: int) -> torch.Tensor:
     """`[Tq, Tk]` True where query i may see key j: the same segment, and j no further from its
     segment's end than i is from its own (causal from the bottom right)."""
@@ -180,7 +237,8 @@ def _flash_varlen_attention(query, key, value, seg: VarlenSegments, scaling: flo
     k = key[0].transpose(0, 1).index_select(0, seg.kv_index)
     v = value[0].transpose(0, 1).index_select(0, seg.kv_index)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out, _ = varlen_attention(q, k, v, seg.cu_seq_q, seg.cu_seq_k, seg.max_q, seg.max_k, scale)
+    op = fa4_varlen_attention if seg.kernel == "fa4" else varlen_attention
+    out, _ = op(q, k, v, seg.cu_seq_q, seg.cu_seq_k, seg.max_q, seg.max_k, scale)
     return out[None]
 
 
@@ -191,6 +249,15 @@ def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
     if not torch.backends.cuda.is_flash_attention_available():
         return False
     return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def fa4_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `fa4` can run here: the flash-attn-4 package, a Hopper or Blackwell GPU, bf16 / fp16."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or head_dim > 256 or head_dim % 8:
+        return False
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10, 11)
 
 
 def _packed_or_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
@@ -240,7 +307,16 @@ def enable_packed_attention(model: torch.nn.Module, kernel: str = "auto") -> str
             f"this model is {param.dtype} with head dim {head_dim} on {torch.cuda.get_device_name(param.device)}: "
             "set train.packed_attention=flex (or auto)"
         )
-    chosen = "flash" if kernel == "flash" or (kernel == "auto" and can_flash) else "flex"
+    if kernel == "fa4" and not fa4_available(param.device, param.dtype, head_dim) and param.device.type == "cuda":
+        raise ValueError(
+            f"train.packed_attention=fa4 needs FlashAttention-4 (pip install flash-attn-4), a Hopper or Blackwell GPU "
+            f"and a bf16/fp16 model with head dim <= 256; this model is {param.dtype} with head dim {head_dim} on "
+            f"{torch.cuda.get_device_name(param.device)}: install it, or set train.packed_attention=flash (or auto)"
+        )
+    if kernel == "fa4":
+        chosen = "fa4"  # off CUDA its segments run through the dense reference, as flash's do
+    else:
+        chosen = "flash" if kernel == "flash" or (kernel == "auto" and can_flash) else "flex"
     model.config._attn_implementation = NAME
     # Forward passes reach the packed row through the whole model (critics) or its base (log-probs).
     model._hybridrl_packed_kernel = chosen
@@ -275,10 +351,10 @@ def packed_kernel(base_model: torch.nn.Module) -> str:
 
 def packed_forward_inputs(layout: PackedLayout, kernel: str) -> dict:
     """The attention keyword arguments of a forward pass over a packed row: the varlen segments for
-    `flash` (the mask argument is then an empty 4-D placeholder that HF passes through untouched;
+    `flash` and `fa4` (the mask argument is then an empty 4-D placeholder that HF passes through untouched;
     off CUDA they run through the dense reference), else `packed_attention_mask(layout)`."""
-    if kernel == "flash":
-        seg = VarlenSegments(layout.cu_seq_q, layout.cu_seq_k, layout.kv_index, layout.max_q, layout.max_k)
+    if kernel in VARLEN_KERNELS:
+        seg = VarlenSegments(layout.cu_seq_q, layout.cu_seq_k, layout.kv_index, layout.max_q, layout.max_k, kernel)
         return {"attention_mask": _placeholder_mask(layout.input_ids.device), "hybridrl_varlen": seg}
     return {"attention_mask": packed_attention_mask(layout)}
 
