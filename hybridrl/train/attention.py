@@ -255,7 +255,10 @@ def fa4_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bo
     """Whether `fa4` can run here: the flash-attn-4 package, a Hopper or Blackwell GPU, bf16 / fp16."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or head_dim > 256 or head_dim % 8:
         return False
-    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+    try:  # finding the subpackage imports flash_attn itself, which a broken install can make raise
+        if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+            return False
+    except Exception:
         return False
     return torch.cuda.get_device_capability(device)[0] in (9, 10, 11)
 
