@@ -169,7 +169,7 @@ def test_flash_reference_is_segment_attention_with_its_gradients():
     q = torch.randn(L, 4, 8, generator=g, requires_grad=True)
     k, v = (torch.randn(L, 2, 8, generator=g, requires_grad=True) for _ in range(2))
     keys, values = k.index_select(0, layout.kv_index), v.index_select(0, layout.kv_index)
-    out, lse = varlen_attention(q, keys, values, layout.cu_seq_q, layout.cu_seq_k, layout.max_q, layout.max_k, 8**-0.5)
+    out, lse = varlen_attention(q, keys, values, layout.cu_seq_q, layout.cu_seq_k, layout.max_q, layout.max_k, 8**-0.5, "flash")
     assert lse.shape == (4, L) and lse.dtype == torch.float32
     want = _segment_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), layout)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)

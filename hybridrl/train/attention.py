@@ -66,21 +66,30 @@ class VarlenSegments:
 
 @torch.library.custom_op("hybridrl::varlen_attention", mutates_args=())
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                     max_q: int, max_k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(out `[Tq, H, D]`, log-sum-exp `[H, Tq]` fp32): FlashAttention-2 over variable-length segments
-    (PyTorch's own kernel), causal from the bottom right; q `[Tq, H, D]`, k / v `[Tk, Hkv, D]`
-    (grouped-query attention when Hkv < H). Off CUDA the same contract runs as a dense reference
-    (`_varlen_reference_*`): tests and CPU runs of `train.packed_attention=flash` go through it.
+                     max_q: int, max_k: int, scale: float, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(out `[Tq, H, D]`, log-sum-exp `[H, Tq]` fp32): attention over variable-length segments,
+    causal from the bottom right; q `[Tq, H, D]`, k / v `[Tk, Hkv, D]` (grouped-query attention when
+    Hkv < H). `kernel` "flash": PyTorch's own FlashAttention-2; "fa4": FlashAttention-4's CuTe
+    kernels. Off CUDA the same contract runs as a dense reference (`_varlen_reference_*`): tests and
+    CPU runs of `train.packed_attention=flash` / `fa4` go through it.
 
     A custom op rather than an autograd.Function: compiled code sees one opaque op whose output the
     partitioner may recompute under gradient checkpointing. (Traced through an autograd.Function
     inside a compiled checkpointed region, the kernel's saved tensors were kept for every layer:
     +0.6 GiB at W0.5B with `train.compile_layers_per_graph` > 1.)"""
-    if q.is_cuda:
-        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
-        _DROPOUT_STATE[q.device] = (seed, offset)
+    if not q.is_cuda:
+        return _varlen_reference_forward(q, k, v, cu_q, cu_k, scale)
+    if kernel == "fa4":
+        from flash_attn.cute.interface import _flash_attn_fwd
+
+        out, lse, *_ = _flash_attn_fwd(
+            q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+            softmax_scale=scale, causal=True, return_lse=True,
+        )  # fmt: skip
         return out, lse
-    return _varlen_reference_forward(q, k, v, cu_q, cu_k, scale)
+    out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
+    _DROPOUT_STATE[q.device] = (seed, offset)
+    return out, lse
 
 
 # The kernel's (seed, offset) outputs, which its backward takes as arguments; without dropout they are
@@ -89,74 +98,18 @@ _DROPOUT_STATE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 @varlen_attention.register_fake
-def _(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, kernel):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("hybridrl::varlen_attention_backward", mutates_args=())
 def varlen_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                               lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
-                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+                              scale: float, kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(dq, dk, dv) of `varlen_attention`."""
-    if q.is_cuda:
-        seed, offset = _DROPOUT_STATE.get(q.device) or (
-            torch.empty(2, dtype=torch.uint64, device=q.device), torch.empty((), dtype=torch.uint64, device=q.device)
-        )
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
-        )
-        return dq, dk, dv
-    return _varlen_reference_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, scale)
-
-
-@varlen_attention_backward.register_fake
-def _(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
-
-
-def _varlen_backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = varlen_attention_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.scale)
-    return dq, dk, dv, None, None, None, None, None
-
-
-varlen_attention.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
-
-
-@torch.library.custom_op("hybridrl::fa4_varlen_attention", mutates_args=())
-def fa4_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                         max_q: int, max_k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`varlen_attention`'s contract (same layouts, causal from the bottom right) through
-    FlashAttention-4's CuTe kernels; off CUDA the same dense reference."""
-    if q.is_cuda:
-        from flash_attn.cute.interface import _flash_attn_fwd
-
-        out, lse, *_ = _flash_attn_fwd(
-            q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-            softmax_scale=scale, causal=True, return_lse=True,
-        )  # fmt: skip
-        return out, lse
-    return _varlen_reference_forward(q, k, v, cu_q, cu_k, scale)
-
-
-@fa4_varlen_attention.register_fake
-def _(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-
-
-@torch.library.custom_op("hybridrl::fa4_varlen_attention_backward", mutates_args=())
-def fa4_varlen_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                                  lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
-                                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(dq, dk, dv) of `fa4_varlen_attention`."""
-    if q.is_cuda:
+    if not q.is_cuda:
+        return _varlen_reference_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, scale)
+    if kernel == "fa4":
         from flash_attn.cute.interface import _flash_attn_bwd
 
         dq, dk, dv = _flash_attn_bwd(
@@ -164,21 +117,34 @@ def fa4_varlen_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: to
             max_seqlen_q=max_q, max_seqlen_k=max_k,
         )  # fmt: skip
         return dq, dk, dv
-    return _varlen_reference_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, scale)
+    seed, offset = _DROPOUT_STATE.get(q.device) or (
+        torch.empty(2, dtype=torch.uint64, device=q.device), torch.empty((), dtype=torch.uint64, device=q.device)
+    )
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
+    )
+    return dq, dk, dv
 
 
-@fa4_varlen_attention_backward.register_fake
-def _(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale):
+@varlen_attention_backward.register_fake
+def _(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, kernel):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _fa4_backward(ctx, grad_out, _grad_lse):
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, kernel = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.max_q, ctx.max_k, ctx.scale, ctx.kernel = max_q, max_k, scale, kernel
+
+
+def _varlen_backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = fa4_varlen_attention_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.scale)
-    return dq, dk, dv, None, None, None, None, None
+    dq, dk, dv = varlen_attention_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.scale, ctx.kernel)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
-fa4_varlen_attention.register_autograd(_fa4_backward, setup_context=_varlen_setup_context)
+varlen_attention.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
 def _varlen_visible(cu_q: torch.Tensor, cu_k: torch.Tensor, Tq: int, Tk: int) -> torch.Tensor:
@@ -237,8 +203,7 @@ def _flash_varlen_attention(query, key, value, seg: VarlenSegments, scaling: flo
     k = key[0].transpose(0, 1).index_select(0, seg.kv_index)
     v = value[0].transpose(0, 1).index_select(0, seg.kv_index)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    op = fa4_varlen_attention if seg.kernel == "fa4" else varlen_attention
-    out, _ = op(q, k, v, seg.cu_seq_q, seg.cu_seq_k, seg.max_q, seg.max_k, scale)
+    out, _ = varlen_attention(q, k, v, seg.cu_seq_q, seg.cu_seq_k, seg.max_q, seg.max_k, scale, seg.kernel)
     return out[None]
 
 
