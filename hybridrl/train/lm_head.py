@@ -79,6 +79,17 @@ def logit_grad(logits, labels, lse, entropy, g_lp, g_ent, inv_temp):
     return logit_grad_torch(logits, labels, lse, entropy, g_lp, g_ent, inv_temp)
 
 
+def _add_chunk_grads(grad, h, weight, rows: slice, grad_h, grad_w, grad_b, dtype) -> None:
+    """Adds one chunk's logit gradient `grad` `[c, V]` to the hidden (its rows), weight and bias
+    gradients (each None when not wanted)."""
+    if grad_h is not None:
+        torch.mm(grad, weight, out=grad_h[rows])  # straight into the slice: no copy
+    if grad_w is not None:
+        grad_w.addmm_(grad.t(), h)
+    if grad_b is not None:
+        grad_b += grad.sum(0, dtype=dtype)
+
+
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, inv_temp: float, chunk: int):
@@ -113,12 +124,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 None if g_lp is None else g_lp[sl], None if g_ent is None else g_ent[sl], ctx.inv_temp,
             )  # fmt: skip
             del logits
-            if grad_h is not None:
-                torch.mm(grad, weight, out=grad_h[sl])  # straight into the slice: no copy
-            if grad_w is not None:
-                grad_w.addmm_(grad.t(), h)
-            if grad_b is not None:
-                grad_b += grad.sum(0, dtype=lse.dtype)
+            _add_chunk_grads(grad, h, weight, sl, grad_h, grad_w, grad_b, lse.dtype)
         return grad_h, grad_w, grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None
 
 
@@ -175,12 +181,7 @@ def token_logprobs_with_grad(
                 continue
             grad = logit_grad(logits, labels[sl], lse[sl], entropy[sl], g_lp, g_ent, inv_temp)
             del logits
-            if grad_h is not None:
-                torch.mm(grad, weight, out=grad_h[sl])
-            if grad_w is not None:
-                grad_w.addmm_(grad.t(), h)
-            if grad_b is not None:
-                grad_b += grad.sum(0, dtype=dtype)
+            _add_chunk_grads(grad, h, weight, sl, grad_h, grad_w, grad_b, dtype)
     grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
     return lp, entropy, _PrecomputedGrads.apply(hidden, weight, bias, grad_h, grad_w, grad_b)
 

@@ -105,7 +105,7 @@ class PolicyTrainer:
 
         return derivatives, inputs
 
-    def _objective(self, micro: SequenceBatch, logprobs: torch.Tensor, entropy: torch.Tensor, agg: dict, *, with_metrics: bool = True):
+    def _objective(self, micro: SequenceBatch, logprobs: torch.Tensor, entropy: torch.Tensor, agg: dict):
         """The policy loss of a micro-batch from its log-probs and entropy `[B, T]`: PPO-clip, minus
         the entropy bonus, plus the KL to the reference; a sum of per-token terms whatever the
         aggregation (response_logprobs_with_grad relies on it). Returns (loss, metrics)."""
@@ -116,14 +116,14 @@ class PolicyTrainer:
             old_logprobs = micro["old_logprobs"]
         else:  # exactly on-policy: this pass IS the old-log-prob pass (see rl_step.compute_old_logprobs)
             old_logprobs = logprobs.detach()
-            if "rollout_logprobs" in micro and with_metrics:
+            if "rollout_logprobs" in micro:
                 metrics.update(logprob_diff_metrics(old_logprobs, micro["rollout_logprobs"], mask, as_tensors=True))
         pg_loss, pg_metrics = self.policy_loss(
             logprobs, old_logprobs, micro["advantages"], mask,
             clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, loss_agg=algo.loss_agg, **agg,
         )
         loss = pg_loss
-        metrics |= {} if not with_metrics else {
+        metrics |= {
             "actor/pg_loss": pg_loss.detach(),
             "actor/pg_clipfrac": pg_metrics["pg_clipfrac"],
             "actor/pg_clipfrac_lower": pg_metrics["pg_clipfrac_lower"],
@@ -135,11 +135,9 @@ class PolicyTrainer:
             loss = loss - algo.entropy_coef * ent_loss
         if "ref_logprobs" in micro:
             kl = kl_penalty(logprobs, micro["ref_logprobs"], algo.kl_estimator)
-            if with_metrics:
-                metrics["actor/kl"] = masked_mean(kl.detach(), mask)
+            metrics["actor/kl"] = masked_mean(kl.detach(), mask)
             if algo.kl_coef > 0 and not algo.kl_in_reward:
                 kl_loss = aggregate_loss(kl, mask, algo.loss_agg, **agg)
                 loss = loss + algo.kl_coef * kl_loss
-                if with_metrics:
-                    metrics["actor/kl_loss"] = kl_loss.detach()
+                metrics["actor/kl_loss"] = kl_loss.detach()
         return loss, metrics
