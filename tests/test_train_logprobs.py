@@ -21,18 +21,24 @@ def _full(hidden, weight, bias, labels, temperature):
     return logp.gather(-1, labels[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("chunk", [1, 8, 1000])
-def test_chunked_logprobs_entropy_and_gradients_equal_full_logits(temperature, with_bias, chunk):
-    g = torch.Generator().manual_seed(0)
-    N, H, V = 37, 16, 50
+def _lm_head_problem(seed: int, with_bias: bool, N: int = 37, H: int = 16, V: int = 50):
+    """(generator, hidden, weight, bias, labels, the inputs that take gradients): an fp64 lm_head
+    problem; the generator goes on to draw each test's per-token coefficients."""
+    g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(N, H, dtype=torch.float64, generator=g, requires_grad=True)
     weight = torch.randn(V, H, dtype=torch.float64, generator=g, requires_grad=True)
     bias = torch.randn(V, dtype=torch.float64, generator=g, requires_grad=True) if with_bias else None
     labels = torch.randint(0, V, (N,), generator=g)
+    return g, hidden, weight, bias, labels, [t for t in (hidden, weight, bias) if t is not None]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("chunk", [1, 8, 1000])
+def test_chunked_logprobs_entropy_and_gradients_equal_full_logits(temperature, with_bias, chunk):
+    g, hidden, weight, bias, labels, inputs = _lm_head_problem(0, with_bias)
+    N = hidden.shape[0]
     g_lp, g_ent = torch.randn(N, dtype=torch.float64, generator=g), torch.randn(N, dtype=torch.float64, generator=g)
-    inputs = [t for t in (hidden, weight, bias) if t is not None]
 
     lp, ent = token_logprobs(hidden, weight, bias, labels, temperature=temperature, chunk=chunk)
     ref_lp, ref_ent = _full(hidden, weight, bias, labels, temperature)
@@ -54,14 +60,9 @@ def test_chunked_logprobs_entropy_and_gradients_equal_full_logits(temperature, w
 def test_gradient_made_in_the_forward_equals_the_backwards(temperature, with_bias, chunk):
     """token_logprobs_with_grad: for a loss of per-token terms (here nonlinear in each token's
     log-prob and entropy), the gradient it makes in the forward pass is the full-logits one."""
-    g = torch.Generator().manual_seed(1)
-    N, H, V = 37, 16, 50
-    hidden = torch.randn(N, H, dtype=torch.float64, generator=g, requires_grad=True)
-    weight = torch.randn(V, H, dtype=torch.float64, generator=g, requires_grad=True)
-    bias = torch.randn(V, dtype=torch.float64, generator=g, requires_grad=True) if with_bias else None
-    labels = torch.randint(0, V, (N,), generator=g)
+    g, hidden, weight, bias, labels, inputs = _lm_head_problem(1, with_bias)
+    N = hidden.shape[0]
     a, b = torch.randn(N, dtype=torch.float64, generator=g), torch.randn(N, dtype=torch.float64, generator=g)
-    inputs = [t for t in (hidden, weight, bias) if t is not None]
     term = lambda lp, ent: (a * torch.exp(lp) + b * ent**2).sum()  # noqa: E731
     calls = []
 
