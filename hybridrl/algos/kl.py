@@ -37,20 +37,24 @@ def _k2(log_ratio: torch.Tensor) -> torch.Tensor:
     return 0.5 * log_ratio.square()
 
 
+_K3_EXPONENT_BOUND, _K3_BOUND = 20.0, 10.0  # _k3's clamps, which its derivative (_k3_grad) honours too
+
+
 @KL_ESTIMATORS.register("k3")
 @KL_ESTIMATORS.register("low_var_kl")
 def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
     # The exponent is clamped first and the result after, as verl does: one token whose
     # reference log-prob is far off must not blow up the step.
-    ref_minus_logp = (-log_ratio).clamp(-20.0, 20.0)
-    return (torch.exp(ref_minus_logp) - ref_minus_logp - 1.0).clamp(-10.0, 10.0)
+    ref_minus_logp = (-log_ratio).clamp(-_K3_EXPONENT_BOUND, _K3_EXPONENT_BOUND)
+    return (torch.exp(ref_minus_logp) - ref_minus_logp - 1.0).clamp(-_K3_BOUND, _K3_BOUND)
 
 
 def _k3_grad(log_ratio: torch.Tensor) -> torch.Tensor:
     ref_minus_logp = -log_ratio
-    r = ref_minus_logp.clamp(-20.0, 20.0)
+    r = ref_minus_logp.clamp(-_K3_EXPONENT_BOUND, _K3_EXPONENT_BOUND)
     raw = torch.exp(r) - r - 1.0
-    return -(torch.exp(r) - 1.0) * ((ref_minus_logp >= -20.0) & (ref_minus_logp <= 20.0)) * ((raw >= -10.0) & (raw <= 10.0))
+    in_exponent_bounds = (ref_minus_logp >= -_K3_EXPONENT_BOUND) & (ref_minus_logp <= _K3_EXPONENT_BOUND)
+    return -(torch.exp(r) - 1.0) * in_exponent_bounds * ((raw >= -_K3_BOUND) & (raw <= _K3_BOUND))
 
 
 # d estimator / d log_ratio in closed form (what autograd gives, clamp bounds included), for the

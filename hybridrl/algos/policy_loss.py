@@ -78,12 +78,18 @@ def ppo_policy_loss(
     return loss, metrics
 
 
+def _ppo_branches(logprobs, old_logprobs, advantages, clip_low, clip_high):
+    """The two branches of the PPO-clip loss per token, shared by the loss and its derivative:
+    (raw log-ratio, clamped log-ratio, ratio, unclipped loss, clipped loss)."""
+    raw = logprobs - old_logprobs
+    log_ratio = raw.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    return raw, log_ratio, ratio, -advantages * ratio, -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+
+
 def _ppo_token_losses(logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip):
     """ppo_policy_loss per token: (token losses, log-ratio, clip active, dual clip active)."""
-    log_ratio = (logprobs - old_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    _, log_ratio, _, unclipped, clipped = _ppo_branches(logprobs, old_logprobs, advantages, clip_low, clip_high)
     token_losses = torch.maximum(unclipped, clipped)
     clip_active = clipped > unclipped
     dual_active = torch.zeros_like(clip_active)
@@ -107,12 +113,8 @@ def ppo_token_loss_grad(
     token's log-prob, in closed form: what autograd gives through it, ties and bounds included
     (torch.maximum splits the gradient of equal branches evenly; clamp passes it at its bounds).
     For the policy update's lm_head, which makes its gradient in its forward pass."""
-    raw = logprobs - old_logprobs
-    log_ratio = raw.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
+    raw, _, ratio, unclipped, clipped = _ppo_branches(logprobs, old_logprobs, advantages, clip_low, clip_high)
     in_range = (ratio >= 1.0 - clip_low) & (ratio <= 1.0 + clip_high)
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     share = torch.where(unclipped > clipped, 1.0, torch.where(unclipped == clipped, 0.5, 0.0))  # of the unclipped branch
     d_ratio = -advantages * (share + (1.0 - share) * in_range)
     grad = d_ratio * ratio * ((raw >= -_MAX_LOG_RATIO) & (raw <= _MAX_LOG_RATIO))
