@@ -204,7 +204,7 @@ def wall_clock_steps(trainer, device: str) -> list[float]:
 
 
 def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, device: str, work_dir: Path,
-                 overrides: list[str] = (), profile: int = 0, trace: str | None = None) -> dict:  # fmt: skip
+                 overrides: list[str] = (), profile: int = 0, trace: str | None = None, checkpointing: bool = True) -> dict:  # fmt: skip
     from hybridrl import RolloutEngine, TrainerEngine
     from hybridrl.config import Config
     from hybridrl.config.loading import apply_overrides
@@ -219,7 +219,7 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     cfg = Config()
     cfg.model.path = str(model_dir)
-    cfg.model.gradient_checkpointing = device == "cuda"  # as TRL's GRPOConfig default
+    cfg.model.gradient_checkpointing = device == "cuda" and checkpointing  # as TRL's (on: GRPOConfig's default)
     cfg.data.train_path = str(data)
     cfg.data.max_prompt_length = w.prompt_len
     cfg.rollout.n, cfg.rollout.max_tokens, cfg.rollout.temperature = w.n, w.max_tokens, 1.0
@@ -274,7 +274,8 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
     }
 
 
-def run_trl(w: Workload, model_dir: Path, prompts: list[str], steps: int, device: str, work_dir: Path) -> dict:
+def run_trl(w: Workload, model_dir: Path, prompts: list[str], steps: int, device: str, work_dir: Path,
+            checkpointing: bool = True) -> dict:  # fmt: skip
     import trl
     import transformers
     from datasets import Dataset
@@ -300,7 +301,7 @@ def run_trl(w: Workload, model_dir: Path, prompts: list[str], steps: int, device
         num_generations=w.n, max_completion_length=w.max_tokens,
         per_device_train_batch_size=w.responses // w.grad_accum, gradient_accumulation_steps=w.grad_accum,
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=0, lr_scheduler_type="constant",
-        bf16=device == "cuda", use_cpu=device == "cpu", dataloader_num_workers=0,
+        bf16=device == "cuda", use_cpu=device == "cpu", dataloader_num_workers=0, gradient_checkpointing=checkpointing,
     )  # fmt: skip
     tokenizer = load_tokenizer(model_dir)
     timer = StepTimer()
@@ -325,11 +326,11 @@ def run_trl(w: Workload, model_dir: Path, prompts: list[str], steps: int, device
 
 
 def run_half(system: str, w: Workload, model_dir: Path, prompts: list[str], steps: int, device: str,
-             overrides: list[str] = (), profile: int = 0, trace: str | None = None) -> dict:  # fmt: skip
+             overrides: list[str] = (), profile: int = 0, trace: str | None = None, checkpointing: bool = True) -> dict:  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         if system == "hybridrl":
-            return run_hybridrl(w, model_dir, prompts, steps, device, Path(tmp), overrides, profile, trace)
-        return run_trl(w, model_dir, prompts, steps, device, Path(tmp))
+            return run_hybridrl(w, model_dir, prompts, steps, device, Path(tmp), overrides, profile, trace, checkpointing)
+        return run_trl(w, model_dir, prompts, steps, device, Path(tmp), checkpointing)
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -352,7 +353,8 @@ def run_in_subprocess(system: str, args, model_dir: Path, overrides: list[str] =
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = Path(f.name)
     cmd = [sys.executable, __file__, "--worker", system, "--model-dir", str(model_dir), "--worker-out", str(out),
-           "--size", args.size, "--steps", str(args.steps if system == "hybridrl" else args.trl_steps)]  # fmt: skip
+           "--size", args.size, "--steps", str(args.steps if system == "hybridrl" else args.trl_steps),
+           "--gradient-checkpointing", args.gradient_checkpointing]  # fmt: skip
     if args.tiny:
         cmd.append("--tiny")
     for item in overrides:
@@ -395,6 +397,8 @@ def summarise(w: Workload, h: dict, trl: dict, bound_s: float | None) -> dict:
 def print_table(result: dict) -> None:
     w, h, trl = result["workload"], result["hybridrl"], result["trl"]
     title = f"W{w['size']}: {w['prompts']} prompts x {w['prompt_len']} tokens, n={w['n']}, {w['max_tokens']} new tokens, GRPO kl {w['beta']}, lr {w['lr']}"
+    if result.get("gradient_checkpointing"):
+        title += f", gradient checkpointing {result['gradient_checkpointing']}"
     print(f"\n{title}\n")
     print("| system | step time | response tokens/s | peak allocated |")
     print("| --- | --- | --- | --- |")
@@ -432,6 +436,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--trl-steps", type=int, default=3, help="TRL steps (the first is not timed)")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--json", type=str, default=None)
+    ap.add_argument("--gradient-checkpointing", choices=["on", "off"], default="on",
+                    help="activation checkpointing for both systems on the GPU (on: TRL's GRPOConfig default)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="hybridrl config override, as `hybridrl train` takes it (repeatable)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
@@ -449,10 +455,12 @@ def main(argv: list[str] | None = None) -> dict:
     PROFILE_STACK = args.stack
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     w = workload("tiny" if args.tiny else args.size)
+    checkpointing = args.gradient_checkpointing == "on"
     if args.worker:  # one half, in a subprocess of the invocation below
         prompts = json.loads((Path(args.model_dir) / "prompts.json").read_text())
         steps_prompts = prompts[: w.prompts * max(args.steps, 1) * 2]
-        result = run_half(args.worker, w, Path(args.model_dir), steps_prompts, args.steps, device, args.set, args.profile, args.trace)
+        result = run_half(args.worker, w, Path(args.model_dir), steps_prompts, args.steps, device, args.set, args.profile, args.trace,
+                          checkpointing)  # fmt: skip
         Path(args.worker_out).write_text(json.dumps(result))
         return result
 
@@ -472,13 +480,16 @@ def main(argv: list[str] | None = None) -> dict:
             extra = {name: run_in_subprocess("hybridrl", args, model_dir, args.set + items) for name, items in variants}
             trl = {"skipped": missing} if missing else run_in_subprocess("trl", args, model_dir)
         else:  # CPU: no memory figures to keep apart, so one process is enough (and faster for CI)
-            run = lambda items, prof=0: run_half("hybridrl", w, model_dir, prompts[: w.prompts * args.steps * 2], args.steps, device, items, prof, args.trace if prof else None)  # noqa: E731
+            run = lambda items, prof=0: run_half("hybridrl", w, model_dir, prompts[: w.prompts * args.steps * 2], args.steps, device, items, prof, args.trace if prof else None, checkpointing)  # noqa: E731
             h = run(args.set, args.profile)
             extra = {name: run(args.set + items) for name, items in variants}
-            trl = {"skipped": missing} if missing else run_half("trl", w, model_dir, prompts[: w.prompts * args.trl_steps * 2], args.trl_steps, device)
+            trl = {"skipped": missing} if missing else run_half("trl", w, model_dir, prompts[: w.prompts * args.trl_steps * 2], args.trl_steps, device,
+                                                                checkpointing=checkpointing)  # fmt: skip
     bound = physical_bound_s(w, h["num_params"], h["weight_bytes"]) if device == "cuda" and "num_params" in h else None
     result = summarise(w, h, trl, bound)
     result["variants"] = {name: summarise(w, v, trl, bound) for name, v in extra.items()}
+    for r in (result, *result["variants"].values()):
+        r["gradient_checkpointing"] = args.gradient_checkpointing if device == "cuda" else None
     result["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print_table(result)
     for name, v in result["variants"].items():
