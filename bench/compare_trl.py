@@ -4,6 +4,7 @@
     python bench/compare_trl.py --size 1.5B       # W1.5B
     python bench/compare_trl.py --tiny            # the same comparison on a tiny model, on CPU, in seconds
     python bench/compare_trl.py --json out.json   # also write the table's figures
+    python bench/compare_trl.py --gradient-checkpointing off   # both systems without activation checkpointing
     python bench/compare_trl.py --skip-trl --set train.compile=false --variant fp32:train.master_weights=fp32
                                                   # hybridrl only, changed settings, an extra row
     python bench/compare_trl.py --skip-trl --profile 3   # torch.profiler summary of hybridrl's step 3
@@ -20,7 +21,7 @@ and, on a GPU, compiled decoder layers (four per graph), a 12k-token budget per 
 micro-batch (TRL's micro-batch: 16 responses of 768 tokens), a 32k-token budget for the reference
 pass and the compensated bf16 optimizer (`train.master_weights: compensated`); TRL its defaults:
 transformers `generate`, fp32 weights and AdamW state under bf16 autocast, gradient checkpointing
-(on for hybridrl too). A random model rarely emits EOS, so responses
+(on for hybridrl too; `--gradient-checkpointing off` turns it off for both). A random model rarely emits EOS, so responses
 run to the limit. On a GPU each system runs in its own subprocess, so each peak-memory figure is its
 own. Step time is the mean over the steps after the first. TRL is optional: without it only the
 hybridrl half runs.
