@@ -87,14 +87,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: to
             softmax_scale=scale, causal=True, return_lse=True,
         )  # fmt: skip
         return out, lse
-    out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
-    _DROPOUT_STATE[q.device] = (seed, offset)
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
     return out, lse
-
-
-# The kernel's (seed, offset) outputs, which its backward takes as arguments; without dropout they are
-# placeholders it does not read, so the last forward's serve every backward on that device.
-_DROPOUT_STATE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 @varlen_attention.register_fake
@@ -117,9 +111,9 @@ def varlen_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
             max_seqlen_q=max_q, max_seqlen_k=max_k,
         )  # fmt: skip
         return dq, dk, dv
-    seed, offset = _DROPOUT_STATE.get(q.device) or (
-        torch.empty(2, dtype=torch.uint64, device=q.device), torch.empty((), dtype=torch.uint64, device=q.device)
-    )
+    # The kernel's dropout RNG state (seed, offset): without dropout it is not read, so placeholders
+    # serve. (Kept from the forward in a global, they were tensors no CUDA graph could account for.)
+    seed, offset = torch.empty(2, dtype=torch.uint64, device=q.device), torch.empty((), dtype=torch.uint64, device=q.device)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
         grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
     )
