@@ -94,10 +94,16 @@ def _ppo_token_losses(logprobs, old_logprobs, advantages, clip_low, clip_high, d
     clip_active = clipped > unclipped
     dual_active = torch.zeros_like(clip_active)
     if dual_clip is not None:
-        cap = -advantages * dual_clip
-        dual_active = (advantages < 0) & (token_losses > cap)
+        dual_active, cap = _dual_clipped(token_losses, advantages, dual_clip)
         token_losses = torch.where(dual_active, cap, token_losses)
     return token_losses, log_ratio, clip_active, dual_active
+
+
+def _dual_clipped(token_losses, advantages, dual_clip):
+    """Dual clip, shared by the loss and its derivative: (where it caps a token's PPO-clip loss, the
+    cap -advantage * dual_clip); it caps tokens with a negative advantage only."""
+    cap = -advantages * dual_clip
+    return (advantages < 0) & (token_losses > cap), cap
 
 
 def ppo_token_loss_grad(
@@ -119,6 +125,6 @@ def ppo_token_loss_grad(
     d_ratio = -advantages * (share + (1.0 - share) * in_range)
     grad = d_ratio * ratio * ((raw >= -_MAX_LOG_RATIO) & (raw <= _MAX_LOG_RATIO))
     if dual_clip is not None:
-        token_losses = torch.maximum(unclipped, clipped)
-        grad = torch.where((advantages < 0) & (token_losses > -advantages * dual_clip), 0.0, grad)
+        capped, _ = _dual_clipped(torch.maximum(unclipped, clipped), advantages, dual_clip)
+        grad = torch.where(capped, 0.0, grad)
     return grad

@@ -201,9 +201,14 @@ def _flash_varlen_attention(query, key, value, seg: VarlenSegments, scaling: flo
     return out[None]
 
 
+def _half_precision_cuda(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """What both varlen kernels need: a CUDA device, bf16 / fp16, a head dim <= 256 and a multiple of 8."""
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and head_dim <= 256 and head_dim % 8 == 0
+
+
 def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether `flash` can run here: PyTorch's FlashAttention-2 kernel needs sm80+ and bf16 / fp16."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or head_dim > 256 or head_dim % 8:
+    if not _half_precision_cuda(device, dtype, head_dim):
         return False
     if not torch.backends.cuda.is_flash_attention_available():
         return False
@@ -212,7 +217,7 @@ def flash_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
 
 def fa4_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether `fa4` can run here: the flash-attn-4 package, a Hopper or Blackwell GPU, bf16 / fp16."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or head_dim > 256 or head_dim % 8:
+    if not _half_precision_cuda(device, dtype, head_dim):
         return False
     try:  # finding the subpackage imports flash_attn itself, which a broken install can make raise
         if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
@@ -275,10 +280,10 @@ def enable_packed_attention(model: torch.nn.Module, kernel: str = "auto") -> str
             f"and a bf16/fp16 model with head dim <= 256; this model is {param.dtype} with head dim {head_dim} on "
             f"{torch.cuda.get_device_name(param.device)}: install it, or set train.packed_attention=flash (or auto)"
         )
-    if kernel == "fa4":
-        chosen = "fa4"  # off CUDA its segments run through the dense reference, as flash's do
+    if kernel in VARLEN_KERNELS:  # off CUDA their segments run through the dense reference
+        chosen = kernel
     else:
-        chosen = "flash" if kernel == "flash" or (kernel == "auto" and can_flash) else "flex"
+        chosen = "flash" if kernel == "auto" and can_flash else "flex"
     model.config._attn_implementation = NAME
     # Forward passes reach the packed row through the whole model (critics) or its base (log-probs).
     model._hybridrl_packed_kernel = chosen
