@@ -227,6 +227,41 @@ def test_compiled_layer_groups_match_the_eager_model_with_checkpointing():
         compile_layers(gemma, 2)
 
 
+def test_compiled_layer_groups_compile_once_per_grad_mode():
+    """The reference pass runs a frozen copy of the policy without gradients: the layer groups compile
+    one graph for it and one for training. (transformers' gradient checkpointing hooks the input
+    embeddings so that their output requires grad, for reentrant checkpointing of frozen
+    embeddings; under no_grad only the first group's input then required grad, and every group
+    was compiled once more.)"""
+    import copy
+
+    import transformers
+
+    from hybridrl.config import TrainConfig
+    from hybridrl.train.setup import compile_layers, prepare_for_training
+
+    config = transformers.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).train()
+    assert prepare_for_training(model, TrainConfig(packing="on", packed_attention="flash"), gradient_checkpointing=True)
+    ref = copy.deepcopy(model).eval().requires_grad_(False)  # as the trainer's frozen reference
+    with torch.no_grad():
+        assert not ref.model.embed_tokens(torch.tensor([[1, 2]])).requires_grad
+    compile_layers(model, 2)
+    compile_layers(ref, 2)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for seed in range(2):  # the same shapes (a new shape may recompile), other tokens
+        batch = dataclasses.replace(_batch(num_prompts=3, n=2, seed=0), packed=True)
+        batch.input_ids.random_(5, 100, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            response_logprobs(ref, batch)
+        lp, _ = response_logprobs(model, batch)
+        lp.sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("budget", [8, 20, 37, 1000])
 def test_token_budget_micro_batches_cover_every_token_exactly_once(packed, budget):

@@ -26,6 +26,12 @@ def prepare_for_training(model: torch.nn.Module, train: TrainConfig, *, gradient
             warnings.simplefilter("ignore", FutureWarning)
             # Non-reentrant: works with frozen inputs and keyword arguments (the packed attention mask).
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers also hooks the input embeddings so that their output requires grad, which only
+        # reentrant checkpointing of frozen embeddings needs. The hook sets it even under no_grad (the
+        # reference pass, a frozen copy of this model), where the first layer group's input then
+        # differs from the others' and torch.compile compiles the group twice.
+        if hasattr(model, "disable_input_require_grads"):
+            model.disable_input_require_grads()
     if train.fp32_residual:
         enable_fp32_residual(model)
     on_cuda = next(model.parameters()).device.type == "cuda"
