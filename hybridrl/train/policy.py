@@ -75,9 +75,12 @@ class PolicyTrainer:
         logprobs, entropy = response_logprobs(self.model, micro, temperature=self.temperature, with_entropy=True)
         return self._objective(micro, logprobs, entropy, agg)
 
+    def _kl_in_loss(self) -> bool:
+        """Whether the KL to the reference is a term of the loss (not subtracted from the reward)."""
+        return self.algo.kl_coef > 0 and not self.algo.kl_in_reward
+
     def _closed_form(self) -> bool:
-        algo = self.algo
-        return not (algo.kl_coef > 0 and not algo.kl_in_reward and algo.kl_estimator not in KL_ESTIMATOR_GRADS)
+        return not (self._kl_in_loss() and self.algo.kl_estimator not in KL_ESTIMATOR_GRADS)
 
     def _token_derivatives(self, micro: SequenceBatch, agg: dict):
         """The derivatives of _objective with respect to each token's log-prob and entropy, in
@@ -91,7 +94,7 @@ class PolicyTrainer:
         inputs = {"weight": weight, "advantages": micro["advantages"]}
         if "old_logprobs" in micro:
             inputs["old"] = micro["old_logprobs"]
-        use_kl = "ref_logprobs" in micro and algo.kl_coef > 0 and not algo.kl_in_reward
+        use_kl = "ref_logprobs" in micro and self._kl_in_loss()
         if use_kl:
             inputs["ref"] = micro["ref_logprobs"]
 
@@ -136,7 +139,7 @@ class PolicyTrainer:
         if "ref_logprobs" in micro:
             kl = kl_penalty(logprobs, micro["ref_logprobs"], algo.kl_estimator)
             metrics["actor/kl"] = masked_mean(kl.detach(), mask)
-            if algo.kl_coef > 0 and not algo.kl_in_reward:
+            if self._kl_in_loss():
                 kl_loss = aggregate_loss(kl, mask, algo.loss_agg, **agg)
                 loss = loss + algo.kl_coef * kl_loss
                 metrics["actor/kl_loss"] = kl_loss.detach()
