@@ -1,12 +1,14 @@
 """The decode step's matrix products at their real shapes: cuBLAS against inductor's autotuned kernels.
 
-    python bench/decode_gemm.py [--size 0.5B] [--rows 256] [--no-autotune] [--split-k 2,4,8]
+    python bench/decode_gemm.py [--size 0.5B] [--rows 256] [--no-autotune] [--split-k 2,4,8] [--hot]
 
 One decode step of the native engine multiplies `rows` activations by each layer's fused q|k|v,
 o_proj, fused gate|up and down_proj weights, then by the lm_head. Each shape is timed as in the
 engine: one CUDA graph replaying the product over every layer's own weight (so the weights stream
 from HBM, not L2), best of a few replays; the table gives microseconds per product and the fraction
-of the HBM bandwidth its weight bytes would need (the memory floor).
+of the HBM bandwidth its weight bytes would need (the memory floor). `--hot` replays the product
+over one weight instead, which then stays in L2: the difference is what reading the weights from
+HBM costs each product.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def main(argv=None):
     ap.add_argument("--no-autotune", action="store_true", help="cuBLAS only")
     ap.add_argument("--split-k", default="", help="also time split-K products (comma-separated split counts): one "
                     "strided-batched cuBLAS product with fp32 outputs over K-chunks, then their sum")
+    ap.add_argument("--hot", action="store_true", help="multiply by one weight per shape (L2-resident after the first product) "
+                    "instead of each layer's own")
     ap.add_argument("--blas", choices=["cublas", "cublaslt"], default=None,
                     help="the BLAS library PyTorch's bf16 products go through (torch.backends.cuda.preferred_blas_library); default: PyTorch's")
     args = ap.parse_args(argv)
@@ -76,7 +80,8 @@ def main(argv=None):
     if not args.no_autotune:
         tuned = torch.compile(lambda x, w: F.linear(x, w), mode="max-autotune-no-cudagraphs", dynamic=False)
     blas = torch.backends.cuda.preferred_blas_library()
-    print(f"[{args.size}] rows {M}, {blas}: microseconds per product (each layer's own weight, in one CUDA graph)")
+    weights = "one weight per shape, L2-resident" if args.hot else "each layer's own weight"
+    print(f"[{args.size}] rows {M}, {blas}: microseconds per product ({weights}, in one CUDA graph)")
     splits = [int(k) for k in args.split_k.split(",") if k]
     split_cols = "".join(f" split-K {k} us |" for k in splits)
     print(f"| product | N x K | cuBLAS us | autotuned us |{split_cols} memory floor us |")
@@ -84,7 +89,8 @@ def main(argv=None):
     total = [0.0, 0.0, 0.0]
     for name, (N, K, copies) in shapes.items():
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-        ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(1 if args.hot else copies)]
+        ws = ws * (copies // len(ws))
         out = [None]
 
         def run(f):

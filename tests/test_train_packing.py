@@ -262,6 +262,35 @@ def test_compiled_layer_groups_compile_once_per_grad_mode():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_dynamic_compiles_one_training_graph_for_every_micro_batch_size(dynamic):
+    """train.compile_dynamic: micro-batches of different tokens, segments and gathered keys (the
+    longest segments' buckets equal) run through one training graph; without it, two."""
+    import transformers
+
+    from hybridrl.config import TrainConfig
+    from hybridrl.train.setup import compile_layers, prepare_for_training
+
+    config = transformers.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).train()
+    prepare_for_training(model, TrainConfig(packing="on", packed_attention="flash"), gradient_checkpointing=True)
+    compile_layers(model, 2, dynamic_tokens=dynamic)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for p, n in ((3, 2), (2, 3), (4, 2)):
+        g = torch.Generator().manual_seed(p)
+        prompts = [torch.randint(5, 100, (3 + i,), generator=g).tolist() for i in range(p)]
+        batch = build_sequence_batch([q for q in prompts for _ in range(n)],
+                                     [torch.randint(5, 100, (6,), generator=g).tolist() for _ in range(p * n)], pad_id=0)  # fmt: skip
+        batch = dataclasses.replace(batch, packed=True)
+        assert (pack_sequences(batch).max_q, pack_sequences(batch).max_k) == (8, 16)
+        lp, _ = response_logprobs(model, batch)
+        lp.sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == (1 if dynamic else 2)
+
+
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("budget", [8, 20, 37, 1000])
 def test_token_budget_micro_batches_cover_every_token_exactly_once(packed, budget):

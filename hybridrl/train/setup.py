@@ -63,7 +63,7 @@ class LayerGroup(torch.nn.Module):
         return hidden_states
 
 
-def compile_layers(model: torch.nn.Module, layers_per_graph: int = 1) -> None:
+def compile_layers(model: torch.nn.Module, layers_per_graph: int = 1, *, dynamic_tokens: bool = False) -> None:
     """`torch.compile` of the model's decoder layers (`train.compile`).
 
     `layers_per_graph` 1: each layer is compiled (one compiled graph serves all of them); gradient
@@ -98,6 +98,7 @@ def compile_layers(model: torch.nn.Module, layers_per_graph: int = 1) -> None:
     for group in groups:
         group.compile()
     base._hybridrl_layer_groups = groups  # a plain list: not registered as submodules
+    base._hybridrl_dynamic_tokens = dynamic_tokens  # train.compile_dynamic (grouped_decoder_forward)
     log.info("train.compile: %d decoder layers compiled in %d graphs of up to %d", len(layers), len(groups), layers_per_graph)
 
 
@@ -106,6 +107,24 @@ def grouped_decoder_forward(base: torch.nn.Module, input_ids: torch.Tensor, posi
     what the model's own forward computes (GROUPABLE_MODEL_TYPES), one compiled call per group."""
     hidden = base.embed_tokens(input_ids)
     position_embeddings = base.rotary_emb(hidden, position_ids)
+    if getattr(base, "_hybridrl_dynamic_tokens", False):
+        _mark_token_dims_dynamic(hidden, position_ids, position_embeddings, layer_kwargs.get("hybridrl_varlen"))
     for group in base._hybridrl_layer_groups:
         hidden = group(hidden, position_embeddings=position_embeddings, position_ids=position_ids, **layer_kwargs)
     return base.norm(hidden)
+
+
+def _mark_token_dims_dynamic(hidden, position_ids, position_embeddings, segments) -> None:
+    """`train.compile_dynamic`: the layer groups are compiled for any number of tokens and segments
+    from their first call. Token budgets fill micro-batches unevenly (the last one of a step is
+    usually shorter), so otherwise the second size compiles every group again with these dimensions
+    dynamic, after a first compilation for one fixed size. (max_q / max_k stay specialised: they
+    are bucketed to powers of two, and a new bucket compiles once more.)"""
+    mark = torch._dynamo.maybe_mark_dynamic
+    mark(hidden, 1)
+    mark(position_ids, 1)
+    for t in position_embeddings:
+        mark(t, 1)
+    if segments is not None:  # VarlenSegments (train/attention.py)
+        for t in (segments.cu_seq_q, segments.cu_seq_k, segments.kv_index):
+            mark(t, 0)

@@ -120,7 +120,7 @@ class TrainerEngine:
                                  "(train.packing): set train.packing=on, or train.compile_layers_per_graph=1")  # fmt: skip
             for module in (self.model, self.ref_model):
                 if module is not None:
-                    compile_layers(module, per_graph)
+                    compile_layers(module, per_graph, dynamic_tokens=cfg.train.compile_dynamic)
             if self.critic is not None:  # values run through the critic's own forward: per-layer graphs
                 compile_layers(self.critic, 1)
         if cfg.train.offload_optimizer:
