@@ -358,3 +358,30 @@ def test_engine_with_shared_prefix_attention_generates_the_same():
     assert [o.response_ids for o in outs[True]] == [o.response_ids for o in outs[False]]
     for a, b in zip(outs[True], outs[False]):
         torch.testing.assert_close(torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_bench_decode_fusion_folds_the_rms_norm_into_the_product(dtype, swiglu):
+    """bench/decode_fusion.py's kernel: rms_norm(x) * g @ W.T (+ b), or silu(gate) * up of it, with
+    the norm applied as rstd * ((x * g) @ W.T)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "decode_fusion.py"
+    spec = importlib.util.spec_from_file_location("decode_fusion", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    g = torch.Generator().manual_seed(1)
+    rows, hidden, out_n = 20, 128, 96
+    x = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype)
+    gain = (1 + 0.1 * torch.randn(hidden, generator=g)).to(DEVICE, dtype)
+    w = (0.05 * torch.randn(2 * out_n if swiglu else out_n, hidden, generator=g)).to(DEVICE, dtype)
+    b = None if swiglu else (0.1 * torch.randn(out_n, generator=g)).to(DEVICE, dtype)
+    h, _ = TorchOps().add_rms_norm(x, None, gain, 1e-6)
+    ref = torch.nn.functional.linear(h, w, b)
+    if swiglu:
+        gate, up = ref.split([out_n, out_n], -1)
+        ref = TorchOps().silu_mul(gate, up)
+    out = bench.norm_linear(x, gain, w, b, 1e-6, swiglu=swiglu, cfg=(16, 32, 64, 4, 2))
+    torch.testing.assert_close(out, ref, **_tol(dtype))

@@ -1,0 +1,233 @@
+"""A decode layer's products with the RMSNorms, SiLU and residual adds folded into them.
+
+    python bench/decode_fusion.py [--size 0.5B] [--rows 256] [--configs all|best]
+
+The native engine's decode layer is nine kernels (BENCHMARK.md, calibration; rollout/native/NOTES.md):
+add + RMSNorm, q|k|v, attention, o_proj, add + RMSNorm, gate|up, SiLU * up, down (+ cuBLAS's
+split-K reduce). Each costs a few microseconds of fixed latency at 256 rows. This script times the
+products and the small kernels between them (attention left out) two ways, over every layer's own
+weights in one CUDA graph:
+
+- now: `add_rms_norm` -> q|k|v (cuBLAS) ; o_proj (cuBLAS) -> `add_rms_norm` -> gate|up (cuBLAS) ->
+  `silu_mul` -> down (cuBLAS);
+- folded: the residual add goes into the product before it (cuBLAS `addmm`, beta = 1), and the
+  RMSNorm into the product after it, which needs no normalised copy: rms_norm(x) @ W.T equals
+  rstd * ((x * g) @ W.T), so a Triton kernel multiplies each loaded tile of x by g, sums x * x on the
+  way, and scales its accumulator by rstd at the end; the gate|up kernel applies SiLU * up there
+  too. Four kernels instead of eight.
+
+It prints microseconds per layer for each, the best Triton configuration of each folded kernel,
+and how far the folded outputs are from the present ones (bf16 rounding happens at other points).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from hybridrl.rollout.native.triton_kernels import add_rms_norm, silu_mul
+
+SHAPES = {  # (hidden, intermediate, heads, kv heads, head dim, layers)
+    "0.5B": (896, 4864, 14, 2, 64, 24),
+    "1.5B": (1536, 8960, 12, 2, 128, 28),
+}
+
+
+@triton.jit
+def _norm_linear_kernel(
+    x_ptr, g_ptr, w_ptr, b_ptr, out_ptr, M, N, K, eps,
+    stride_x, stride_w, stride_o,
+    HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """out = rms_norm(x) * g @ W.T (+ b); with SWIGLU, W holds [gate; up] (2N rows) and out = silu(gate) * up."""
+    pid_m = tl.program_id(1)
+    pid_n = tl.program_id(0)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if SWIGLU:
+        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+    ss = tl.zeros((BM,), dtype=tl.float32)
+    for k in range(0, K, BK):
+        a = tl.load(x_ptr + rm[:, None] * stride_x + (k + rk)[None, :], mask=m_mask[:, None], other=0.0).to(tl.float32)
+        ss += tl.sum(a * a, axis=1)
+        g = tl.load(g_ptr + k + rk).to(tl.float32)
+        a = (a * g[None, :]).to(w_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + rn[None, :] * stride_w + (k + rk)[:, None], mask=n_mask[None, :], other=0.0)
+        acc = tl.dot(a, w, acc)
+        if SWIGLU:
+            wu = tl.load(w_ptr + (rn + N)[None, :] * stride_w + (k + rk)[:, None], mask=n_mask[None, :], other=0.0)
+            acc_up = tl.dot(a, wu, acc_up)
+    rstd = tl.rsqrt(ss / K + eps)[:, None]
+    out = acc * rstd
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if SWIGLU:
+        gate = out.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = (acc_up * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        out = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32) * up
+    tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])  # fmt: skip
+
+
+def norm_linear(x, g, w, b, eps, *, swiglu: bool, cfg) -> torch.Tensor:
+    BM, BN, BK, warps, stages = cfg
+    M, K = x.shape
+    N = w.shape[0] // 2 if swiglu else w.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(N, BN), triton.cdiv(M, BM))
+    _norm_linear_kernel[grid](
+        x, g, w, b if b is not None else w, out, M, N, K, eps, x.stride(0), w.stride(0), out.stride(0),
+        HAS_BIAS=b is not None, SWIGLU=swiglu, BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def time_graph(fn, reps: int = 20) -> float:
+    """Milliseconds per replay of a CUDA graph of `fn`, best of `reps` (after warm-up)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b))
+    return best
+
+
+CONFIGS = [  # BM, BN, BK, warps, stages
+    (m, n, 64, w, s)
+    for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+    if not (m == 128 and n == 128 and w == 4)
+]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=list(SHAPES), default="0.5B")
+    ap.add_argument("--rows", type=int, default=256)
+    args = ap.parse_args(argv)
+    H, I, nh, nkv, hd, L = SHAPES[args.size]
+    M, eps, dev, dt = args.rows, 1e-6, torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    qkv_n = (nh + 2 * nkv) * hd
+    layers = [
+        dict(
+            qkv=torch.randn(qkv_n, H, device=dev, dtype=dt) * 0.02, qkv_b=torch.randn(qkv_n, device=dev, dtype=dt) * 0.02,
+            o=torch.randn(H, nh * hd, device=dev, dtype=dt) * 0.02, gate_up=torch.randn(2 * I, H, device=dev, dtype=dt) * 0.02,
+            down=torch.randn(H, I, device=dev, dtype=dt) * 0.02,
+            g1=1 + 0.1 * torch.randn(H, device=dev, dtype=dt), g2=1 + 0.1 * torch.randn(H, device=dev, dtype=dt),
+        )  # fmt: skip
+        for _ in range(L)
+    ]
+    attn = torch.randn(M, nh * hd, device=dev, dtype=dt)  # stands in for each layer's attention output
+    x0 = torch.randn(M, H, device=dev, dtype=dt)
+
+    def now(record=None):
+        x, res = x0, None
+        for lw in layers:
+            h, res = add_rms_norm(x, res, lw["g1"], eps)
+            qkv = F.linear(h, lw["qkv"], lw["qkv_b"])
+            x = F.linear(attn, lw["o"])
+            h, res = add_rms_norm(x, res, lw["g2"], eps)
+            gate, up = F.linear(h, lw["gate_up"]).split([I, I], -1)
+            act = silu_mul(gate, up)
+            x = F.linear(act, lw["down"])
+            if record is not None:
+                record.append((qkv, act))
+        return x, res
+
+    def folded(cfg_qkv, cfg_mlp, record=None):
+        x = x0.clone()
+        for lw in layers:
+            qkv = norm_linear(x, lw["g1"], lw["qkv"], lw["qkv_b"], eps, swiglu=False, cfg=cfg_qkv)
+            x = torch.addmm(x, attn, lw["o"].t())
+            act = norm_linear(x, lw["g2"], lw["gate_up"], None, eps, swiglu=True, cfg=cfg_mlp)
+            x = torch.addmm(x, act, lw["down"].t())
+            if record is not None:
+                record.append((qkv, act))
+        return x
+
+    # Triton configurations, each folded kernel alone over every layer's weights.
+    x_in = torch.randn(M, H, device=dev, dtype=dt)
+
+    def sweep(swiglu):
+        results = []
+        for cfg in CONFIGS:
+            key = "gate_up" if swiglu else "qkv"
+            try:
+                us = time_graph(lambda: [norm_linear(x_in, lw["g2" if swiglu else "g1"], lw[key], None if swiglu else lw["qkv_b"],
+                                                     eps, swiglu=swiglu, cfg=cfg) for lw in layers]) * 1e3 / L  # fmt: skip
+            except Exception as e:  # out of shared memory / registers
+                print(f"  {'gate|up' if swiglu else 'q|k|v'} {cfg}: {type(e).__name__}")
+                continue
+            results.append((us, cfg))
+        results.sort()
+        return results
+
+    qkv_sweep, mlp_sweep = sweep(False), sweep(True)
+    print(f"[{args.size}] rows {M}; us per layer, each layer's own weights in one CUDA graph")
+    print("q|k|v with the RMSNorm folded in, best configs (BM, BN, BK, warps, stages):",
+          ", ".join(f"{c} {u:.2f}" for u, c in qkv_sweep[:4]))  # fmt: skip
+    print("gate|up with the RMSNorm and SiLU * up folded in, best configs:", ", ".join(f"{c} {u:.2f}" for u, c in mlp_sweep[:4]))
+    cq, cm = qkv_sweep[0][1], mlp_sweep[0][1]
+
+    h_in = torch.randn(M, H, device=dev, dtype=dt)
+    res_in = torch.randn(M, H, device=dev, dtype=dt)
+    gate_up_out = F.linear(h_in, layers[0]["gate_up"])
+    parts = {
+        "add_rms_norm": lambda: [add_rms_norm(h_in, res_in, lw["g1"], eps) for lw in layers],
+        "q|k|v (cuBLAS, bias)": lambda: [F.linear(h_in, lw["qkv"], lw["qkv_b"]) for lw in layers],
+        "o_proj (cuBLAS)": lambda: [F.linear(attn, lw["o"]) for lw in layers],
+        "o_proj + residual (cuBLAS addmm)": lambda: [torch.addmm(res_in, attn, lw["o"].t()) for lw in layers],
+        "gate|up (cuBLAS)": lambda: [F.linear(h_in, lw["gate_up"]) for lw in layers],
+        "silu_mul": lambda: [silu_mul(*gate_up_out.split([I, I], -1)) for _ in layers],
+        "down (cuBLAS)": lambda: [F.linear(attn.new_empty(M, I), lw["down"]) for lw in layers],
+        "down + residual (cuBLAS addmm)": lambda: [torch.addmm(res_in, attn.new_empty(M, I), lw["down"].t()) for lw in layers],
+        f"q|k|v folded {cq}": lambda: [norm_linear(h_in, lw["g1"], lw["qkv"], lw["qkv_b"], eps, swiglu=False, cfg=cq) for lw in layers],
+        f"gate|up folded {cm}": lambda: [norm_linear(h_in, lw["g2"], lw["gate_up"], None, eps, swiglu=True, cfg=cm) for lw in layers],
+    }
+    print("| kernel | us per layer |\n| --- | --- |")
+    for name, fn in parts.items():
+        print(f"| {name} | {time_graph(fn) * 1e3 / L:.2f} |")
+    t_now = time_graph(now) * 1e3 / L
+    t_folded = time_graph(lambda: folded(cq, cm)) * 1e3 / L
+    t_now2 = time_graph(now) * 1e3 / L
+    print(f"layer without attention: now {t_now:.2f} / {t_now2:.2f} us, folded {t_folded:.2f} us "
+          f"({(t_now + t_now2) / 2 - t_folded:.2f} us a layer, x {L} layers)")  # fmt: skip
+
+    # How far apart the two are: one layer from the same input (the residual stream then diverges in rounding).
+    lw = layers[0]
+    h, res = add_rms_norm(x_in, None, lw["g1"], eps)
+    ref_qkv = F.linear(h, lw["qkv"], lw["qkv_b"]).float()
+    new_qkv = norm_linear(x_in, lw["g1"], lw["qkv"], lw["qkv_b"], eps, swiglu=False, cfg=cq).float()
+    h2, _ = add_rms_norm(x_in, None, lw["g2"], eps)
+    gate, up = F.linear(h2, lw["gate_up"]).split([I, I], -1)
+    ref_act = silu_mul(gate, up).float()
+    new_act = norm_linear(x_in, lw["g2"], lw["gate_up"], None, eps, swiglu=True, cfg=cm).float()
+    for name, a, b in (("q|k|v", ref_qkv, new_qkv), ("silu(gate)*up", ref_act, new_act)):
+        rel = ((a - b).norm() / a.norm()).item()
+        print(f"{name}: max |diff| {(a - b).abs().max().item():.3e}, relative {rel:.3e} (bf16 eps 3.9e-3)")
+
+
+if __name__ == "__main__":
+    main()
