@@ -384,4 +384,6 @@ def test_bench_decode_fusion_folds_the_rms_norm_into_the_product(dtype, swiglu):
         gate, up = ref.split([out_n, out_n], -1)
         ref = TorchOps().silu_mul(gate, up)
     out = bench.norm_linear(x, gain, w, b, 1e-6, swiglu=swiglu, cfg=(16, 32, 64, 4, 2))
-    torch.testing.assert_close(out, ref, **_tol(dtype))
+    # fp32 products run in TF32 on a GPU (tl.dot's default): ~1e-3 apart over these 128-long sums
+    tol = dict(atol=1e-2, rtol=1e-2) if (dtype == torch.float32 and DEVICE == "cuda") else _tol(dtype)
+    torch.testing.assert_close(out, ref, **tol)
