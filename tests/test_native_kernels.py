@@ -362,9 +362,11 @@ def test_engine_with_shared_prefix_attention_generates_the_same():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_bench_decode_fusion_folds_the_rms_norm_into_the_product(dtype, swiglu):
-    """bench/decode_fusion.py's kernel: rms_norm(x) * g @ W.T (+ b), or silu(gate) * up of it, with
-    the norm applied as rstd * ((x * g) @ W.T)."""
+@pytest.mark.parametrize("kind", ["pointer", "tma", "tma-wg"])
+def test_bench_decode_fusion_folds_the_rms_norm_into_the_product(dtype, swiglu, kind):
+    """bench/decode_fusion.py's kernels: rms_norm(x) * g @ W.T (+ b), or silu(gate) * up of it, with
+    the norm applied as rstd * ((x * g) @ W.T); tiles through tl.load or TMA, g applied to x or
+    folded into W beforehand."""
     import importlib.util
     from pathlib import Path
 
@@ -383,7 +385,11 @@ def test_bench_decode_fusion_folds_the_rms_norm_into_the_product(dtype, swiglu):
     if swiglu:
         gate, up = ref.split([out_n, out_n], -1)
         ref = TorchOps().silu_mul(gate, up)
-    out = bench.norm_linear(x, gain, w, b, 1e-6, swiglu=swiglu, cfg=(16, 32, 64, 4, 2))
+    if kind == "pointer":
+        out = bench.norm_linear(x, gain, w, b, 1e-6, swiglu=swiglu, cfg=(16, 32, 64, 4, 2))
+    else:
+        w_in = w if kind == "tma" else (w.float() * gain.float()).to(dtype)
+        out = bench.norm_linear_tma(x, gain, w_in, b, 1e-6, swiglu=swiglu, cfg=(16, 32, 64, 4, 3), fold_g=kind == "tma")
     # fp32 products run in TF32 on a GPU (tl.dot's default): ~1e-3 apart over these 128-long sums
     tol = dict(atol=1e-2, rtol=1e-2) if (dtype == torch.float32 and DEVICE == "cuda") else _tol(dtype)
     torch.testing.assert_close(out, ref, **tol)
