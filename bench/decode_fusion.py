@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from decode_gemm import time_graph  # bench/ is on the path when a bench script runs
 from hybridrl.rollout.native.triton_kernels import add_rms_norm, silu_mul
 
 SHAPES = {  # (hidden, intermediate, heads, kv heads, head dim, layers)
@@ -164,28 +165,6 @@ def norm_linear(x, g, w, b, eps, *, swiglu: bool, cfg) -> torch.Tensor:
         HAS_BIAS=b is not None, SWIGLU=swiglu, BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
-
-
-def time_graph(fn, reps: int = 20) -> float:
-    """Milliseconds per replay of a CUDA graph of `fn`, best of `reps` (after warm-up)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    best = float("inf")
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b))
-    return best
 
 
 CONFIGS = [  # BM, BN, BK, warps, stages

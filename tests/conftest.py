@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def bench_script(name: str):
+    """Imports bench/<name>.py (the benchmarks are scripts, not a package; bench/ is on the path while
+    it loads, as when it runs, so one script may import another)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO / "bench"))
 
 
 @pytest.fixture(scope="module")

@@ -367,13 +367,9 @@ def test_bench_decode_fusion_folds_the_rms_norm_into_the_product(dtype, swiglu, 
     """bench/decode_fusion.py's kernels: rms_norm(x) * g @ W.T (+ b), or silu(gate) * up of it, with
     the norm applied as rstd * ((x * g) @ W.T); tiles through tl.load or TMA, g applied to x or
     folded into W beforehand."""
-    import importlib.util
-    from pathlib import Path
+    from conftest import bench_script
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "decode_fusion.py"
-    spec = importlib.util.spec_from_file_location("decode_fusion", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_script("decode_fusion")
     g = torch.Generator().manual_seed(1)
     rows, hidden, out_n = 20, 128, 96
     x = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype)

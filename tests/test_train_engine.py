@@ -3,17 +3,11 @@ reference offload; the step record carries MFU, throughput and memory."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
-from conftest import small_config
+from conftest import bench_script, small_config
 from hybridrl.cli.commands import build_trainer
 from hybridrl.metrics import read_records
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _first_record(tmp_path, arith_data, **overrides):
@@ -44,17 +38,8 @@ def test_packed_token_budget_step_matches_the_padded_step(tmp_path, arith_data):
     assert packed["perf/tokens_per_s"] > 0 and "memory/peak_rss_gib" in packed
 
 
-def _bench_script(name: str):
-    """Imports bench/<name>.py (the benchmarks are scripts, not a package)."""
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(REPO / "bench"))
-
-
 def test_compare_trl_tiny_runs_hybridrl_and_skips_a_missing_trl(tmp_path):
-    compare_trl = _bench_script("compare_trl")
+    compare_trl = bench_script("compare_trl")
     out = tmp_path / "table.json"
     result = compare_trl.main(["--tiny", "--steps", "2", "--trl-steps", "2", "--json", str(out)])
     assert out.exists()
@@ -73,7 +58,7 @@ def test_compare_trl_tiny_runs_hybridrl_and_skips_a_missing_trl(tmp_path):
 
 
 def test_tiny_learning_bench_evaluates_at_its_marks(tmp_path):
-    tiny_learning = _bench_script("tiny_learning")
+    tiny_learning = bench_script("tiny_learning")
     out = tmp_path / "curve.json"
     result = tiny_learning.main(["--budget", "1", "--marks", "0.3,1", "--skip-trl", "--json", str(out)])
     assert out.exists()
@@ -87,7 +72,7 @@ def test_tiny_learning_bench_evaluates_at_its_marks(tmp_path):
 def test_trace_summary_attributes_kernels_and_idle_gpu_time_to_phases(tmp_path):
     """bench/trace_summary.py on a hand-made trace: busy time is the union of kernel intervals, and
     each idle interval goes to the host range it falls in (a compiled forward) or to 'elsewhere'."""
-    trace_summary = _bench_script("trace_summary")
+    trace_summary = bench_script("trace_summary")
     X = dict(ph="X", tid=1, pid=1)
     events = [
         {**X, "cat": "user_annotation", "name": "phase/train", "ts": 0, "dur": 100},
