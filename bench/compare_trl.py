@@ -12,6 +12,8 @@
     python bench/trace_summary.py step3.json.gz          # GPU busy / idle time and kernels, phase by phase
     python bench/compare_trl.py --skip-trl --profile 3 --stack --trace s.json.gz && python bench/trace_summary.py s.json.gz --why
                                                   # and why the GPU sat idle: blocking calls, Python frames
+    python bench/compare_trl.py --skip-trl --variant cpp:inductor.cpp_wrapper=true
+                                                  # a torch._inductor.config option against the default, one call
 
 Both systems run GRPO with a KL of 0.04 to a reference model, lr 1e-6, temperature 1.0 and one
 optimizer step per 256 responses (TRL: per_device_train_batch_size=16, gradient_accumulation_steps=16),
@@ -204,6 +206,31 @@ def wall_clock_steps(trainer, device: str) -> list[float]:
     return times
 
 
+def apply_inductor_settings(overrides: list[str]) -> list[str]:
+    """Sets each `inductor.NAME=VALUE` override on `torch._inductor.config` (a dotted NAME for its
+    sub-configs: `inductor.triton.cudagraphs=true`) and returns the others, hybridrl's config keys.
+    For A/B runs of the compiler's options in one call: `--variant cpp:inductor.cpp_wrapper=true`."""
+    from hybridrl.config.loading import parse_override
+
+    rest = []
+    for item in overrides:
+        if not item.startswith("inductor."):
+            rest.append(item)
+            continue
+        import torch._inductor.config as inductor_config
+
+        key, value = parse_override(item)
+        *path, name = key.removeprefix("inductor.").split(".")
+        node = inductor_config
+        for part in path:
+            node = getattr(node, part, None)
+        if node is None or not hasattr(node, name):
+            raise ValueError(f"{item!r}: torch._inductor.config has no {key.removeprefix('inductor.')!r}")
+        setattr(node, name, value)
+        print(f"hybridrl: torch._inductor.config.{key.removeprefix('inductor.')} = {value!r}", flush=True)
+    return rest
+
+
 def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, device: str, work_dir: Path,
                  overrides: list[str] = (), profile: int = 0, trace: str | None = None, checkpointing: bool = True) -> dict:  # fmt: skip
     from hybridrl import RolloutEngine, TrainerEngine
@@ -235,7 +262,7 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
         t.max_tokens_per_forward = w.max_tokens_per_forward
         t.master_weights = "compensated"  # bf16 weights + bf16 Kahan compensation, bf16 AdamW moments
     cfg.trainer.output_dir, cfg.trainer.save_every, cfg.trainer.progress, cfg.trainer.resume = str(work_dir / "run"), 0, False, "off"
-    cfg = apply_overrides(cfg, overrides)  # --set / --variant, checked as `hybridrl train` checks them
+    cfg = apply_overrides(cfg, apply_inductor_settings(list(overrides)))  # --set / --variant, checked as `hybridrl train` checks them
     model = load_causal_lm(str(model_dir), dtype="auto", device=device)
     engine = RolloutEngine(model, load_tokenizer(model_dir), backend="native", num_kv_blocks=num_blocks,
                            max_num_seqs=w.responses, fp32_residual=cfg.rollout.fp32_residual,
@@ -249,6 +276,9 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
     wall = wall_clock_steps(trainer, device)
     trainer.fit(str(data))
     records = read_records(work_dir / "run" / "metrics.jsonl")
+    if not records:
+        raise RuntimeError(f"hybridrl wrote no step record to {work_dir / 'run' / 'metrics.jsonl'}: the run stopped "
+                           "before its first step ended (its log above says why)")  # fmt: skip
     for r in records:
         print("hybridrl step", r["step"], {k: round(v, 3) for k, v in r.items() if isinstance(v, float) and k.startswith(("timing/", "perf/", "memory/", "actor/kl", "rollout/logprob_diff", "rollout/host_syncs", "rollout/graphs_reused"))}, flush=True)
     later = records[1:] or records
@@ -262,6 +292,11 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
         "peak_allocated_gib": max(r.get("memory/peak_allocated_gib") or 0.0 for r in records) if device == "cuda" else None,
         "phases_s": {k.removeprefix("timing/"): mean(k) for k in phases if k.count("/") == 1},
         "rollout_engine": {k.removeprefix("timing/rollout/"): mean(k) for k in phases if k.startswith("timing/rollout/")},
+        # the host's seconds issuing the update's micro-batches: near timing/train, launching is the limit
+        "train_host_issue_s": mean("timing/train/actor_host_issue"),
+        # which phase sets the peak (GPU): the allocator's peak while each phase ran, over the steps after the first
+        "peak_by_phase_gib": {k.removeprefix("memory/peak_allocated_gib/"): max(r[k] for r in later if k in r)
+                              for k in sorted({k for r in later for k in r if k.startswith("memory/peak_allocated_gib/")})},
         "mfu_actor": mean("perf/mfu/actor") if device == "cuda" else None,
         "mfu_ref": mean("perf/mfu/ref") if device == "cuda" else None,
         "kl": later[-1].get("actor/kl"),
@@ -417,6 +452,12 @@ def print_table(result: dict) -> None:
     if "phases_s" in h:
         phases = ", ".join(f"{k} {v:.3f}" for k, v in h["phases_s"].items())
         print(f"hybridrl phases (s, mean after the first step): {phases}")
+        if h.get("peak_by_phase_gib"):
+            print("hybridrl peak allocated by phase (GiB, steps after the first): "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in h["peak_by_phase_gib"].items() if k != "step"))  # fmt: skip
+        if h.get("train_host_issue_s"):
+            print(f"hybridrl training phase: the host took {h['train_host_issue_s']:.3f} s to issue its micro-batches' "
+                  f"work ({h['train_host_issue_s'] / h['phases_s']['train']:.0%} of the phase)")  # fmt: skip
     if h.get("rollout_engine"):
         print("hybridrl inside the rollout phase (s): " + ", ".join(f"{k} {v:.3f}" for k, v in h["rollout_engine"].items()))
         print(f"hybridrl rollout/logprob_diff: mean {_fmt(h.get('logprob_diff_mean'), '.3e')}, max {_fmt(h.get('logprob_diff_max'), '.3e')}")
@@ -440,7 +481,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gradient-checkpointing", choices=["on", "off"], default="on",
                     help="activation checkpointing for both systems on the GPU (on: TRL's GRPOConfig default)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="hybridrl config override, as `hybridrl train` takes it (repeatable)")
+                    help="hybridrl config override, as `hybridrl train` takes it, or inductor.NAME=VALUE for "
+                         "torch._inductor.config (repeatable)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                     help="also run hybridrl with these overrides (on top of --set) and print it as an extra row (repeatable)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEP",

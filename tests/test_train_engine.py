@@ -36,6 +36,8 @@ def test_packed_token_budget_step_matches_the_padded_step(tmp_path, arith_data):
     assert packed["perf/mfu/actor"] is None  # CPU: no known peak
     assert packed["perf/train_tflops"] < padded["perf/train_tflops"]  # a shared prompt is computed once
     assert packed["perf/tokens_per_s"] > 0 and "memory/peak_rss_gib" in packed
+    # The host's share of the training phase: issuing the micro-batches is part of it (on CPU, most of it).
+    assert 0 < packed["timing/train/actor_host_issue"] <= packed["timing/train"]
 
 
 def test_compare_trl_tiny_runs_hybridrl_and_skips_a_missing_trl(tmp_path):
@@ -50,6 +52,7 @@ def test_compare_trl_tiny_runs_hybridrl_and_skips_a_missing_trl(tmp_path):
     for record_s, host_s in zip(h["step_times_s"], h["host_step_times_s"]):
         assert record_s <= host_s < record_s + 0.05
     assert {"rollout", "ref", "train"} <= set(h["phases_s"])
+    assert 0 < h["train_host_issue_s"] <= h["phases_s"]["train"]
     trl = result["trl"]
     if "skipped" in trl:
         assert "trl" in trl["skipped"]
@@ -112,3 +115,18 @@ def test_num_threads_below_one_is_refused(tmp_path, arith_data):
 
     with pytest.raises(ConfigError, match=r"train\.num_threads must be at least 1, got 0.*unset"):
         validate_config(small_config(tmp_path, arith_data, **{"train.num_threads": 0}), require_paths=False)
+
+
+def test_compare_trl_sets_inductor_options_and_passes_on_the_rest(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    compare_trl = bench_script("compare_trl")
+    monkeypatch.setattr(inductor_config, "cpp_wrapper", False)  # restored after the test
+    monkeypatch.setattr(inductor_config.triton, "cudagraphs", False)
+    rest = compare_trl.apply_inductor_settings(["train.lr=1e-5", "inductor.cpp_wrapper=true", "inductor.triton.cudagraphs=true"])
+    assert rest == ["train.lr=1e-5"]
+    assert inductor_config.cpp_wrapper is True and inductor_config.triton.cudagraphs is True
+    with pytest.raises(ValueError, match="no 'not_an_option'"):
+        compare_trl.apply_inductor_settings(["inductor.not_an_option=1"])
+    with pytest.raises(ValueError, match="no 'nowhere.cudagraphs'"):
+        compare_trl.apply_inductor_settings(["inductor.nowhere.cudagraphs=1"])

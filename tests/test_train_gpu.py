@@ -182,6 +182,35 @@ def test_phase_timer_times_the_gpu_timeline_without_draining_it():
 
 
 @gpu
+def test_phase_timer_keeps_each_phases_peak_memory_without_a_sync():
+    from hybridrl.metrics import PhaseTimer, memory_metrics
+
+    device = torch.device("cuda")
+    timer = PhaseTimer(device)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    mib = 2**20
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with timer.phase("step"):
+            with timer.phase("big"):
+                a = torch.empty(512 * mib, dtype=torch.uint8, device="cuda")
+                del a
+            with timer.phase("small"):
+                b = torch.empty(64 * mib, dtype=torch.uint8, device="cuda")
+                del b
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    timer.pop()
+    out = memory_metrics(device, timer)
+    gib = 2**30
+    assert out["memory/peak_allocated_gib/big"] == pytest.approx((base + 512 * mib) / gib, abs=1e-3)
+    assert out["memory/peak_allocated_gib/small"] == pytest.approx((base + 64 * mib) / gib, abs=1e-3)
+    assert out["memory/peak_allocated_gib/step"] == pytest.approx(out["memory/peak_allocated_gib/big"])
+    assert out["memory/peak_allocated_gib"] >= out["memory/peak_allocated_gib/big"]
+
+
+@gpu
 def test_auto_picks_flash_for_bf16_and_flex_for_fp32():
     assert enable_packed_attention(_model(torch.bfloat16)) == "flash"
     assert enable_packed_attention(_model(torch.float32)) == "flex"

@@ -126,7 +126,7 @@ def test_gradient_made_in_the_lm_head_forward_changes_no_result(tiny_model_path,
         trainer = PolicyTrainer(model, opt, sched, cfg, AlgorithmConfig(**algo), temperature=0.9)
         results.append(trainer.update(batch, shuffle_seed=0)[0])
     assert results[0].keys() == results[1].keys()
-    for key in results[0]:
+    for key in (k for k in results[0] if not k.startswith("timing/")):  # timings: the host's clock
         assert results[1][key] == pytest.approx(results[0][key], rel=1e-5, abs=1e-6), key
     assert (results[0]["actor/pg_clipfrac"] > 0) == off_policy
     for pa, pb in zip(*(m.parameters() for m in models)):

@@ -19,12 +19,21 @@ class PhaseTimer:
     timers; a phase that only waits on the host (building the batch, scoring) is charged the time
     the GPU sat waiting for it. Phases laid end to end sum to the step. The times are read with one
     sync when asked for (`times`, `pop`). Elsewhere the phases are timed on the host clock.
+
+    On CUDA each phase also keeps the caching allocator's peak while it ran
+    (`memory/peak_allocated_gib/<phase>`, from `pop_memory`): memory is reserved when the host
+    issues the work, so the host's span of a phase is the right window. The allocator's peak is
+    reset as a phase opens or closes, after being folded into every open phase and into the peak
+    since the last `pop_memory`, which `memory_metrics` reports as the step's.
     """
 
     def __init__(self, device: torch.device | None = None):
         self.device = device
         self._times: dict[str, float] = {}
         self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._open: list[list] = []  # [name, peak allocated, peak reserved] of each open phase, innermost last
+        self._phase_peaks: dict[str, int] = {}  # bytes, since the last pop_memory
+        self._since_pop = [0, 0]  # peak allocated, peak reserved (bytes) since the last pop_memory
 
     @property
     def on_cuda(self) -> bool:
@@ -33,6 +42,8 @@ class PhaseTimer:
     @contextmanager
     def phase(self, name: str):
         if self.on_cuda:
+            self._fold_peaks()
+            self._open.append([name, 0, 0])
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
         else:
@@ -45,8 +56,33 @@ class PhaseTimer:
                 end_event = torch.cuda.Event(enable_timing=True)
                 end_event.record()
                 self._pending.append((name, start_event, end_event))
+                self._fold_peaks()
+                _, allocated, _ = self._open.pop()
+                self._phase_peaks[name] = max(self._phase_peaks.get(name, 0), allocated)
             else:
                 self._add(name, time.perf_counter() - start)
+
+    def _fold_peaks(self) -> None:
+        """Folds the allocator's peaks since their last reset into each open phase and the running
+        peak, then resets them, so the next phase to open or close starts its own window."""
+        allocated, reserved = torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)
+        for entry in self._open:
+            entry[1], entry[2] = max(entry[1], allocated), max(entry[2], reserved)
+        self._since_pop = [max(self._since_pop[0], allocated), max(self._since_pop[1], reserved)]
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def pop_memory(self) -> dict[str, float]:
+        """On CUDA: `memory/peak_allocated_gib/<phase>` for the phases closed since the last call, and
+        the peaks allocated and reserved over the same span (also outside phases): what
+        `memory_metrics` reports. Empty elsewhere."""
+        if not self.on_cuda:
+            return {}
+        self._fold_peaks()
+        gib = 1024**3
+        out = {f"memory/peak_allocated_gib/{name}": b / gib for name, b in self._phase_peaks.items()}
+        out["memory/peak_allocated_gib"], out["memory/peak_reserved_gib"] = (b / gib for b in self._since_pop)
+        self._phase_peaks, self._since_pop = {}, [0, 0]
+        return out
 
     def _add(self, name: str, seconds: float) -> None:
         self._times[f"timing/{name}"] = self._times.get(f"timing/{name}", 0.0) + seconds
@@ -108,9 +144,12 @@ class GcClock:
         return out
 
 
-def memory_metrics(device: torch.device) -> dict[str, float]:
-    """Peak memory since the last reset: GPU allocator peak, or the process's peak RSS on CPU."""
+def memory_metrics(device: torch.device, timer: PhaseTimer | None = None) -> dict[str, float]:
+    """Peak memory since the last reset: GPU allocator peak, or the process's peak RSS on CPU. With
+    the step's CUDA `timer`, also each phase's (PhaseTimer.pop_memory), which resets the peaks."""
     gib = 1024**3
+    if device.type == "cuda" and timer is not None and timer.on_cuda:
+        return timer.pop_memory()
     if device.type == "cuda":
         out = {
             "memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,

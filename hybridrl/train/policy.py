@@ -137,7 +137,7 @@ class PolicyTrainer:
             entropy_coef=algo.entropy_coef,
         )  # fmt: skip
         # ~25 elementwise ops per 1,024-token chunk, 100+ chunks a step: on a GPU the host launching
-        # them one by one is slower than the GPU runs them, so with train.compile they run as one kernel.
+        # them one by one is slower than the GPU runs them, so with train.compile they run as one compiled graph.
         fn = _compiled_token_loss_derivatives() if self.train_cfg.compile and mask.is_cuda else token_loss_derivatives
 
         def derivatives(lp, ent, weight, advantages, old=None, ref=None):

@@ -7,6 +7,7 @@ gradients are accumulated, clipped, checked for NaN/inf and applied.
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -28,6 +29,10 @@ class StepResult:
     # Keys ending in "loss" are shares of the mini-batch loss and are summed over micro-batches;
     # keys ending in "/max" are maxima; every other metric (fractions, means) is averaged.
     metrics: dict[str, float] = field(default_factory=dict)
+    # Host seconds spent issuing the micro-batches' forward and backward passes, before the step's
+    # first wait on the device. On a GPU, near the device's time for the same work (`timing/train`)
+    # it means the host's launching is what the GPU waits on, not its kernels.
+    issue_s: float = 0.0
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -48,7 +53,7 @@ def optimizer_step(
     in half (see `oom.run_with_split_retry`)."""
     failpoints.reached("update")
     optimizer.zero_grad(set_to_none=True)
-    sums, count = run_with_split_retry(
+    sums, count, issue_s = run_with_split_retry(
         micro_batches, lambda micros: _accumulate(micros, loss_fn), on_retry=lambda: optimizer.zero_grad(set_to_none=True)
     )
     params = grad_params(model, optimizer)  # under mixed precision: the fp32 masters, which hold the gradients
@@ -66,13 +71,15 @@ def optimizer_step(
         grad_norm = float("nan")
     optimizer.zero_grad(set_to_none=True)
     metrics = {k: (v if k.endswith(("loss", "/max")) else v / max(count, 1)) for k, v in sums.items()}
-    return StepResult(grad_norm=grad_norm, skipped=not finite, metrics=metrics)
+    return StepResult(grad_norm=grad_norm, skipped=not finite, metrics=metrics, issue_s=issue_s)
 
 
-def _accumulate(micro_batches: list[Any], loss_fn: LossFn) -> tuple[dict[str, float], int]:
+def _accumulate(micro_batches: list[Any], loss_fn: LossFn) -> tuple[dict[str, float], int, float]:
     """Backward over each micro-batch. Metrics may be floats or 0-dim tensors; tensors are summed on
-    their device and read once at the end, so the GPU is not drained after every micro-batch."""
+    their device and read once at the end, so the GPU is not drained after every micro-batch.
+    Returns (metric sums, micro-batches, host seconds until that read: StepResult.issue_s)."""
     sums: dict[str, Any] = {}
+    start = time.perf_counter()
     for micro in micro_batches:
         loss, metrics = loss_fn(micro)
         loss.backward()
@@ -84,11 +91,12 @@ def _accumulate(micro_batches: list[Any], loss_fn: LossFn) -> tuple[dict[str, fl
                 sums[k] = torch.maximum(torch.as_tensor(sums[k]), torch.as_tensor(v))
             else:
                 sums[k] = sums[k] + v
+    issue_s = time.perf_counter() - start
     keys = [k for k, v in sums.items() if isinstance(v, torch.Tensor)]
     if keys:  # one host sync for all of them
         values = torch.stack([sums[k].reshape(()).to(sums[keys[0]].device) for k in keys]).tolist()
         sums.update(zip(keys, values))
-    return sums, len(micro_batches)
+    return sums, len(micro_batches), issue_s
 
 
 def mean_metrics(records: list[dict[str, float]]) -> dict[str, float]:

@@ -283,7 +283,7 @@ class TrainerEngine:
             "perf/total_response_tokens": self.counters["response_tokens"],
             **self.gc_clock.pop(),
             **({"actor/kl": result.get("actor/kl")} if self.spec.kind == "rl" else {}),
-            **memory_metrics(self.device),
+            **memory_metrics(self.device, self.timer),
         }
 
     def _track_skips(self, skipped: int) -> None:
