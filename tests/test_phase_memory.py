@@ -49,8 +49,8 @@ class _Event:
 @pytest.fixture
 def fake_cuda(monkeypatch):
     mem = _Allocator()
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: mem.peak)
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: mem.reserved_peak)
+    monkeypatch.setattr(torch.cuda, "memory_stats",
+                        lambda device=None: {"allocated_bytes.all.peak": mem.peak, "reserved_bytes.all.peak": mem.reserved_peak})  # fmt: skip
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", mem.reset)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     return mem

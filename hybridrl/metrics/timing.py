@@ -65,7 +65,8 @@ class PhaseTimer:
     def _fold_peaks(self) -> None:
         """Folds the allocator's peaks since their last reset into each open phase and the running
         peak, then resets them, so the next phase to open or close starts its own window."""
-        allocated, reserved = torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)
+        stats = torch.cuda.memory_stats(self.device)  # one read of the allocator's counters for both
+        allocated, reserved = stats.get("allocated_bytes.all.peak", 0), stats.get("reserved_bytes.all.peak", 0)
         for entry in self._open:
             entry[1], entry[2] = max(entry[1], allocated), max(entry[2], reserved)
         self._since_pop = [max(self._since_pop[0], allocated), max(self._since_pop[1], reserved)]
