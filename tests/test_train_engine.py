@@ -117,16 +117,16 @@ def test_num_threads_below_one_is_refused(tmp_path, arith_data):
         validate_config(small_config(tmp_path, arith_data, **{"train.num_threads": 0}), require_paths=False)
 
 
-def test_compare_trl_sets_inductor_options_and_passes_on_the_rest(monkeypatch):
+def test_compare_trl_sets_inductor_options_and_passes_on_the_rest():
     import torch._inductor.config as inductor_config
 
     compare_trl = bench_script("compare_trl")
-    monkeypatch.setattr(inductor_config, "cpp_wrapper", False)  # restored after the test
-    monkeypatch.setattr(inductor_config.triton, "cudagraphs", False)
-    rest = compare_trl.apply_inductor_settings(["train.lr=1e-5", "inductor.cpp_wrapper=true", "inductor.triton.cudagraphs=true"])
-    assert rest == ["train.lr=1e-5"]
-    assert inductor_config.cpp_wrapper is True and inductor_config.triton.cudagraphs is True
-    with pytest.raises(ValueError, match="no 'not_an_option'"):
-        compare_trl.apply_inductor_settings(["inductor.not_an_option=1"])
-    with pytest.raises(ValueError, match="no 'nowhere.cudagraphs'"):
-        compare_trl.apply_inductor_settings(["inductor.nowhere.cudagraphs=1"])
+    with inductor_config.patch({"cpp_wrapper": False, "triton.cudagraphs": False}):  # restored on exit
+        rest = compare_trl.apply_inductor_settings(["train.lr=1e-5", "inductor.cpp_wrapper=true", "inductor.triton.cudagraphs=true"])
+        assert rest == ["train.lr=1e-5"]
+        assert inductor_config.cpp_wrapper is True and inductor_config.triton.cudagraphs is True
+        with pytest.raises(ValueError, match="no 'not_an_option'"):
+            compare_trl.apply_inductor_settings(["inductor.not_an_option=1"])
+        with pytest.raises(ValueError, match="no 'nowhere.cudagraphs'"):
+            compare_trl.apply_inductor_settings(["inductor.nowhere.cudagraphs=1"])
+    assert inductor_config.cpp_wrapper is False and inductor_config.triton.cudagraphs is False
