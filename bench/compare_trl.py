@@ -220,14 +220,15 @@ def apply_inductor_settings(overrides: list[str]) -> list[str]:
         import torch._inductor.config as inductor_config
 
         key, value = parse_override(item)
-        *path, name = key.removeprefix("inductor.").split(".")
+        option = key.removeprefix("inductor.")
+        *path, name = option.split(".")
         node = inductor_config
         for part in path:
             node = getattr(node, part, None)
         if node is None or not hasattr(node, name):
-            raise ValueError(f"{item!r}: torch._inductor.config has no {key.removeprefix('inductor.')!r}")
+            raise ValueError(f"{item!r}: torch._inductor.config has no {option!r}")
         setattr(node, name, value)
-        print(f"hybridrl: torch._inductor.config.{key.removeprefix('inductor.')} = {value!r}", flush=True)
+        print(f"hybridrl: torch._inductor.config.{option} = {value!r}", flush=True)
     return rest
 
 

@@ -227,6 +227,16 @@ def test_compiled_layer_groups_match_the_eager_model_with_checkpointing():
         compile_layers(gemma, 2)
 
 
+def _tiny_qwen2(num_layers: int):
+    """A seeded random Qwen2 small enough to compile on CPU in seconds, in training mode."""
+    import transformers
+
+    config = transformers.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+                                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(config).train()
+
+
 def test_compiled_layer_groups_compile_once_per_grad_mode():
     """The reference pass runs a frozen copy of the policy without gradients: the layer groups compile
     one graph for it and one for training. (transformers' gradient checkpointing hooks the input
@@ -235,15 +245,10 @@ def test_compiled_layer_groups_compile_once_per_grad_mode():
     was compiled once more.)"""
     import copy
 
-    import transformers
-
     from hybridrl.config import TrainConfig
     from hybridrl.train.setup import compile_layers, prepare_for_training
 
-    config = transformers.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config).train()
+    model = _tiny_qwen2(num_layers=4)
     assert prepare_for_training(model, TrainConfig(packing="on", packed_attention="flash"), gradient_checkpointing=True)
     ref = copy.deepcopy(model).eval().requires_grad_(False)  # as the trainer's frozen reference
     with torch.no_grad():
@@ -266,15 +271,10 @@ def test_compiled_layer_groups_compile_once_per_grad_mode():
 def test_compile_dynamic_compiles_one_training_graph_for_every_micro_batch_size(dynamic):
     """train.compile_dynamic: micro-batches of different tokens, segments and gathered keys (the
     longest segments' buckets equal) run through one training graph; without it, two."""
-    import transformers
-
     from hybridrl.config import TrainConfig
     from hybridrl.train.setup import compile_layers, prepare_for_training
 
-    config = transformers.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config).train()
+    model = _tiny_qwen2(num_layers=4)
     prepare_for_training(model, TrainConfig(packing="on", packed_attention="flash"), gradient_checkpointing=True)
     compile_layers(model, 2, dynamic_tokens=dynamic)
     torch._dynamo.reset()
@@ -285,7 +285,8 @@ def test_compile_dynamic_compiles_one_training_graph_for_every_micro_batch_size(
         batch = build_sequence_batch([q for q in prompts for _ in range(n)],
                                      [torch.randint(5, 100, (6,), generator=g).tolist() for _ in range(p * n)], pad_id=0)  # fmt: skip
         batch = dataclasses.replace(batch, packed=True)
-        assert (pack_sequences(batch).max_q, pack_sequences(batch).max_k) == (8, 16)
+        layout = pack_sequences(batch)
+        assert (layout.max_q, layout.max_k) == (8, 16)
         lp, _ = response_logprobs(model, batch)
         lp.sum().backward()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == (1 if dynamic else 2)

@@ -31,7 +31,7 @@ class PhaseTimer:
         self.device = device
         self._times: dict[str, float] = {}
         self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-        self._open: list[list] = []  # [name, peak allocated, peak reserved] of each open phase, innermost last
+        self._open: list[list] = []  # [name, peak allocated bytes] of each open phase, innermost last
         self._phase_peaks: dict[str, int] = {}  # bytes, since the last pop_memory
         self._since_pop = [0, 0]  # peak allocated, peak reserved (bytes) since the last pop_memory
 
@@ -43,7 +43,7 @@ class PhaseTimer:
     def phase(self, name: str):
         if self.on_cuda:
             self._fold_peaks()
-            self._open.append([name, 0, 0])
+            self._open.append([name, 0])
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
         else:
@@ -57,18 +57,19 @@ class PhaseTimer:
                 end_event.record()
                 self._pending.append((name, start_event, end_event))
                 self._fold_peaks()
-                _, allocated, _ = self._open.pop()
+                _, allocated = self._open.pop()
                 self._phase_peaks[name] = max(self._phase_peaks.get(name, 0), allocated)
             else:
                 self._add(name, time.perf_counter() - start)
 
     def _fold_peaks(self) -> None:
-        """Folds the allocator's peaks since their last reset into each open phase and the running
-        peak, then resets them, so the next phase to open or close starts its own window."""
+        """Folds the allocator's peaks since their last reset into each open phase (allocated) and the
+        running peaks (allocated, reserved), then resets them, so the next phase to open or close
+        starts its own window."""
         stats = torch.cuda.memory_stats(self.device)  # one read of the allocator's counters for both
         allocated, reserved = stats.get("allocated_bytes.all.peak", 0), stats.get("reserved_bytes.all.peak", 0)
         for entry in self._open:
-            entry[1], entry[2] = max(entry[1], allocated), max(entry[2], reserved)
+            entry[1] = max(entry[1], allocated)
         self._since_pop = [max(self._since_pop[0], allocated), max(self._since_pop[1], reserved)]
         torch.cuda.reset_peak_memory_stats(self.device)
 
