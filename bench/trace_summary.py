@@ -210,6 +210,42 @@ def frames_in(events: list[dict], phase: str, top: int = 25) -> list[tuple[str, 
     return sorted(((k, v[0], v[1]) for k, v in totals.items()), key=lambda x: -x[1])[:top]
 
 
+def launchers(events: list[dict], phase: str, pattern: str, project: str = "hybridrl/", top: int = 30) -> list[tuple[str, float, int]]:
+    """Kernels, copies and memsets of PHASE whose name matches `pattern`, by what launched them: the
+    innermost operator and project Python frame (traces made with `with_stack`) on the launching
+    thread (the autograd engine launches the backward's from its own thread). Kernel ms and count."""
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name") == phase]
+    by_tid: dict = defaultdict(lambda: ([], []))
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") == "cpu_op" or (e.get("cat") == "python_function" and project in e.get("name", "")):
+            by_tid[(e.get("cat"), e.get("tid"))][0].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    index = {}
+    for key, (lst, _) in by_tid.items():
+        lst.sort()
+        index[key] = (lst, [s[0] for s in lst])
+    launch = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            launch[e["args"]["correlation"]] = (e["ts"], e.get("tid"))
+    rx = re.compile(pattern)
+    totals = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in GPU_CATS or not rx.search(e["name"]):
+            continue
+        ts, tid = launch.get(e.get("args", {}).get("correlation"), (None, None))
+        if ts is None or not any(a <= ts <= b for a, b in spans):
+            continue
+        op = _innermost(*index.get(("cpu_op", tid), ([], [])), ts)
+        frame = _innermost(*index.get(("python_function", tid), ([], [])), ts)
+        frame = frame and re.sub(r"^.*?" + re.escape(project), "", frame)
+        s = totals[f"{short_name(e['name']).strip()[:50]} <- {op} <- {frame}"]
+        s[0] += e["dur"] / 1e3
+        s[1] += 1
+    return sorted(((k, v[0], v[1]) for k, v in totals.items()), key=lambda x: -x[2])[:top]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
@@ -219,6 +255,9 @@ def main(argv=None):
                     help="per phase: host-blocking CUDA calls and idle GPU time by the project's Python frame (trace made with --stack)")
     ap.add_argument("--frames", action="append", default=[], metavar="PHASE",
                     help="Python frames inside PHASE (e.g. phase/batch) by inclusive time (trace made with --stack)")
+    ap.add_argument("--launchers", action="append", default=[], metavar="PHASE:REGEX",
+                    help="kernels of PHASE whose name matches REGEX, counted by the operator and Python frame that launched "
+                         "them (e.g. 'phase/train:elementwise|Memset'; trace made with --stack)")
     args = ap.parse_args(argv)
     events = load(args.trace)
     result = summarise(events, args.top)
@@ -243,6 +282,11 @@ def main(argv=None):
         print(f"\n== Python frames inside {phase} (inclusive ms, calls)")
         for k, ms, n in frames_in(events, phase):
             print(f"   {ms:9.2f} ms  {n:6d}x  {k[:200]}")
+    for item in args.launchers:
+        phase, _, pattern = item.partition(":")
+        print(f"\n== {phase}: kernels matching {pattern!r} by launcher (kernel ms, count)")
+        for k, ms, n in launchers(events, phase, pattern):
+            print(f"   {ms:9.2f} ms  {n:6d}x  {k[:240]}")
     return result
 
 

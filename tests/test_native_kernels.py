@@ -68,6 +68,39 @@ def test_qk_rope_write_kv(dtype, qk_norm):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_prefill_rope_write_kv_rotates_every_token_and_caches_the_real_ones(dtype, qk_norm):
+    g = torch.Generator().manual_seed(2)
+    prompts, width, hq, hkv, d, bs, nb = 3, 6, 6, 2, 16, 4, 12
+    qkv = torch.randn(prompts * width, (hq + 2 * hkv) * d, generator=g).to(DEVICE, dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)  # strided rows, as the fused projection gives
+    lengths = torch.tensor([6, 3, 5], device=DEVICE)
+    tables = [[1, 2], [3, 0], [4, 5]]
+    slots = torch.zeros(prompts, width, dtype=torch.int64)
+    for p_, (n, table) in enumerate(zip(lengths.tolist(), tables)):
+        slots[p_, :n] = torch.tensor([table[t // bs] * bs + t % bs for t in range(n)])
+    slots = slots.to(DEVICE)
+    valid_index = torch.cat([p_ * width + torch.arange(n) for p_, n in enumerate(lengths.tolist())]).to(DEVICE)
+    ang = torch.rand(32, d // 2, generator=g).to(DEVICE) * 6
+    cos, sin = ang.cos(), ang.sin()
+    qn = torch.randn(d, generator=g).to(DEVICE, dtype) if qk_norm else None
+    kn = torch.randn(d, generator=g).to(DEVICE, dtype) if qk_norm else None
+    caches = [torch.zeros(nb, hkv, bs, d, device=DEVICE, dtype=dtype) for _ in range(4)]
+    ref_q, ref_k = TorchOps().prefill_rope_write_kv(q, k, v, lengths, slots, valid_index, cos, sin, qn, kn, 1e-6, caches[0], caches[1])
+    out_q, out_k = triton_kernels.prefill_rope_write_kv(q, k, v, lengths, slots, cos, sin, qn, kn, 1e-6, caches[2], caches[3])
+    assert out_q.shape == ref_q.shape == (prompts * width, hq, d) and out_k.shape == ref_k.shape == (prompts * width, hkv, d)
+    torch.testing.assert_close(out_q, ref_q, **_tol(dtype))
+    torch.testing.assert_close(out_k, ref_k, **_tol(dtype))
+    torch.testing.assert_close(caches[2], caches[0], **_tol(dtype))
+    torch.testing.assert_close(caches[3], caches[1], **_tol(dtype))
+    # Padded tokens wrote nothing: exactly the real tokens' slots (and block 0, the scratch block, none) are set.
+    written = caches[3].abs().sum((1, 3)).flatten() != 0  # per (block, offset) slot, over heads and dims
+    expected = torch.zeros(nb * bs, dtype=torch.bool, device=DEVICE)
+    expected[slots.flatten()[valid_index]] = True
+    assert torch.equal(written, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_decode_attention(dtype):
     g = torch.Generator().manual_seed(2)
     batch, hq, hkv, d, bs, nb, mb = 4, 14, 2, 64, 16, 40, 9

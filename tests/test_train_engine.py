@@ -94,6 +94,28 @@ def test_trace_summary_attributes_kernels_and_idle_gpu_time_to_phases(tmp_path):
     assert idle == {"compiled forward": pytest.approx(0.02), "elsewhere": pytest.approx(0.05)}
 
 
+def test_trace_summary_names_the_operator_and_frame_on_the_launching_thread():
+    """`launchers` attributes each matching kernel of a phase to the innermost operator and project
+    frame of the thread that launched it (the autograd engine's own thread for the backward)."""
+    trace_summary = bench_script("trace_summary")
+    X = dict(ph="X", pid=1)
+    events = [
+        {**X, "tid": 1, "cat": "user_annotation", "name": "phase/train", "ts": 0, "dur": 100},
+        {**X, "tid": 1, "cat": "python_function", "name": "hybridrl/train/update.py(10): step", "ts": 0, "dur": 50},
+        {**X, "tid": 1, "cat": "python_function", "name": "hybridrl/train/policy.py(5): loss", "ts": 5, "dur": 10},
+        {**X, "tid": 1, "cat": "cpu_op", "name": "aten::mul", "ts": 6, "dur": 2},
+        {**X, "tid": 2, "cat": "cpu_op", "name": "aten::zero_", "ts": 6, "dur": 3},  # another thread, same time
+        *({**X, "tid": tid, "cat": "cuda_runtime", "name": "launch", "ts": t, "dur": 1, "args": {"correlation": c}}
+          for c, t, tid in ((1, 7, 1), (2, 7, 2), (3, 120, 1))),
+        {**X, "tid": 7, "cat": "kernel", "name": "elementwise_kernel<mul>(x)", "ts": 8, "dur": 4, "args": {"correlation": 1}},
+        {**X, "tid": 7, "cat": "gpu_memset", "name": "Memset (Device)", "ts": 12, "dur": 2, "args": {"correlation": 2}},
+        {**X, "tid": 7, "cat": "kernel", "name": "elementwise_kernel<add>(x)", "ts": 121, "dur": 4, "args": {"correlation": 3}},  # after the phase
+    ]
+    rows = trace_summary.launchers(events, "phase/train", "elementwise|Memset")
+    assert rows == [("elementwise_kernel <- aten::mul <- train/policy.py(5): loss", pytest.approx(0.004), 1),
+                    ("Memset <- aten::zero_ <- None", pytest.approx(0.002), 1)]
+
+
 def test_host_threads_default_to_one_with_a_gpu_and_to_torchs_on_cpu():
     import torch
 

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from .arch import DecoderWeights
 from .fused import FusedWeights
 from .kv_cache import PagedKVCache
-from .ops_torch import apply_rope, rms_norm, write_kv
 
 
 class NativeDecoder:
@@ -45,40 +44,45 @@ class NativeDecoder:
         """Writes the prompts' K/V to the cache; returns fp32 logits of each last token [P, V].
 
         Right padding needs no mask under causal attention: a real token only sees earlier
-        positions, which are all real; padded positions compute garbage nobody reads. The real
-        tokens' K/V are picked by `valid_index`: an index, not a boolean mask, since a mask's
-        result size is known only after a device-to-host sync; the engine builds the index on the
-        host.
+        positions, which are all real; padded positions compute garbage nobody reads. Only the real
+        tokens' K/V reach the cache: the Triton kernel checks each token against `lengths`, the
+        PyTorch ops pick them by `valid_index` (an index, not a boolean mask, since a mask's result
+        size is known only after a device-to-host sync; the engine builds it on the host). The
+        layers run the decode step's ops (add + RMSNorm, fused q|k|v and gate|up, SiLU * up) with
+        every token as a row, so the prefill rounds where the decode step does.
         """
-        spec, w = self.spec, self.weights
+        spec, w, ops, fused = self.spec, self.weights, self.ops, self.fused
         num_prompts, length = input_ids.shape
         d = spec.head_dim
-        valid_slots = slots.flatten()[valid_index]
-        cos, sin = self.cos[:length][None, :, None], self.sin[:length][None, :, None]
-        x = F.embedding(input_ids, w.embed)  # [P, L, H]
-        if self.fp32_residual:
-            x = x.float()
+        q_size, kv_size = spec.num_heads * d, spec.num_kv_heads * d
+        # On CUDA ~10 kernels a layer, where plain PyTorch ops took ~55: the prefill's time was its
+        # host's launches (train/NOTES.md, session 18).
+        x = F.embedding(input_ids.flatten(), w.embed)  # [P * L, H]
+        residual = x.new_zeros(x.shape, dtype=torch.float32) if self.fp32_residual else None
         for layer, lw in enumerate(w.layers()):
-            residual = x
-            h = rms_norm(x, lw.input_norm, spec.rms_eps)
-            q = F.linear(h, lw.q_w, lw.q_b).view(num_prompts, length, -1, d)
-            k = F.linear(h, lw.k_w, lw.k_b).view(num_prompts, length, -1, d)
-            v = F.linear(h, lw.v_w, lw.v_b).view(num_prompts, length, -1, d)
-            if lw.q_norm is not None:
-                q, k = rms_norm(q, lw.q_norm, spec.rms_eps), rms_norm(k, lw.k_norm, spec.rms_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            k_flat, v_flat = k.reshape(num_prompts * length, -1, d), v.reshape(num_prompts * length, -1, d)
-            write_kv(cache.k[layer], cache.v[layer], k_flat[valid_index], v_flat[valid_index], valid_slots)
-            attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                is_causal=True, scale=spec.scaling, enable_gqa=True,
+            h, residual = ops.add_rms_norm(x, residual, lw.input_norm, spec.rms_eps)
+            if fused is not None:
+                q, k, v = F.linear(h, fused.qkv_w[layer], fused.qkv_b[layer]).split([q_size, kv_size, kv_size], -1)
+            else:
+                q, k, v = F.linear(h, lw.q_w, lw.q_b), F.linear(h, lw.k_w, lw.k_b), F.linear(h, lw.v_w, lw.v_b)
+            q, k = ops.prefill_rope_write_kv(
+                q, k, v, lengths, slots, valid_index, self.cos, self.sin, lw.q_norm, lw.k_norm, spec.rms_eps,
+                cache.k[layer], cache.v[layer],
             )  # fmt: skip
-            x = residual + F.linear(attn.transpose(1, 2).reshape(num_prompts, length, -1), lw.o_w, lw.o_b)
-            residual = x
-            h = rms_norm(x, lw.post_norm, spec.rms_eps)
-            x = residual + F.linear(F.silu(F.linear(h, lw.gate_w)) * F.linear(h, lw.up_w), lw.down_w)
-        last = x[torch.arange(num_prompts, device=x.device), lengths - 1]  # [P, H]
-        return F.linear(rms_norm(last, w.final_norm, spec.rms_eps), w.lm_head).float()
+            attn = F.scaled_dot_product_attention(
+                q.view(num_prompts, length, -1, d).transpose(1, 2), k.view(num_prompts, length, -1, d).transpose(1, 2),
+                v.reshape(num_prompts, length, -1, d).transpose(1, 2), is_causal=True, scale=spec.scaling, enable_gqa=True,
+            )  # fmt: skip
+            x = F.linear(attn.transpose(1, 2).reshape(num_prompts * length, -1), lw.o_w, lw.o_b)
+            h, residual = ops.add_rms_norm(x, residual, lw.post_norm, spec.rms_eps)
+            if fused is not None:
+                gate, up = F.linear(h, fused.gate_up_w[layer]).split([fused.inter, fused.inter], -1)
+            else:
+                gate, up = F.linear(h, lw.gate_w), F.linear(h, lw.up_w)
+            x = F.linear(ops.silu_mul(gate, up), lw.down_w)
+        last = torch.arange(num_prompts, device=x.device) * length + lengths - 1  # each prompt's last token
+        h, _ = ops.add_rms_norm(x[last], residual[last], w.final_norm, spec.rms_eps)
+        return F.linear(h, w.lm_head).float()
 
     def decode(
         self,

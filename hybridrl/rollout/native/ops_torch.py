@@ -75,6 +75,36 @@ class TorchOps:
         write_kv(k_cache, v_cache, k, v, blocks * bs + positions % bs)
         return q
 
+    def prefill_rope_write_kv(
+        self,
+        q: torch.Tensor,  # [P * L, Hq * D] (rows may be strided: column slices of a fused q|k|v)
+        k: torch.Tensor,  # [P * L, Hkv * D]
+        v: torch.Tensor,
+        lengths: torch.Tensor,  # [P] int64 (read by the Triton kernel: it writes a prompt's first lengths[p] tokens)
+        slots: torch.Tensor,  # [P, L] int64 cache slot of each token (ignored where padded)
+        valid_index: torch.Tensor,  # [N] int64 flat places of the real tokens (read here instead of lengths)
+        cos: torch.Tensor,  # [>= L, D/2] fp32
+        sin: torch.Tensor,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        k_cache: torch.Tensor,  # one layer's
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill's `qk_rope_write_kv`: token t of every right-padded prompt at position t; the
+        real tokens' K/V go to their cache slots. Returns the rotated (q [P * L, Hq, D], k [P * L, Hkv, D])."""
+        num_prompts, width = slots.shape
+        head_dim = cos.shape[1] * 2
+        q = q.reshape(num_prompts, width, -1, head_dim)
+        k = k.reshape(num_prompts, width, -1, head_dim)
+        if q_norm is not None:
+            q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+        c, s = cos[:width][None, :, None], sin[:width][None, :, None]
+        q, k = apply_rope(q, c, s).flatten(0, 1), apply_rope(k, c, s).flatten(0, 1)
+        v = v.reshape(num_prompts * width, -1, head_dim)
+        write_kv(k_cache, v_cache, k[valid_index], v[valid_index], slots.flatten()[valid_index])
+        return q, k
+
     def decode_attention(
         self,
         q: torch.Tensor,  # [B, Hq, D]

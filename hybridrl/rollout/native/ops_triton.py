@@ -35,6 +35,9 @@ class TritonOps(TorchOps):
             q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables, kv_table=kv_table
         )
 
+    def prefill_rope_write_kv(self, q, k, v, lengths, slots, valid_index, cos, sin, q_norm, k_norm, eps, k_cache, v_cache):
+        return triton_kernels.prefill_rope_write_kv(q, k, v, lengths, slots, cos, sin, q_norm, k_norm, eps, k_cache, v_cache)
+
     def decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale, prefix=None, kv_table=None):
         return triton_attention.paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale,

@@ -181,6 +181,65 @@ def qk_rope_write_kv(
 
 
 @triton.jit
+def _prefill_rope_write_kv_kernel(
+    q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, len_ptr, slot_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
+    q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, L,
+    HQ: tl.constexpr, HKV: tl.constexpr, HQ_P: tl.constexpr, HKV_P: tl.constexpr,
+    D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, BS: tl.constexpr, HAS_NORM: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)  # token t of prompt p: row p * L + t, at position t
+    pos = row % L
+    dtype = q_out_ptr.dtype.element_ty
+    hd, hd_mask, c, s = _rope_at(cos_ptr, sin_ptr, pos, HALF, HALF_P)
+
+    hq = tl.arange(0, HQ_P)
+    q_off = hq[:, None] * D + hd[None, :]
+    q_mask = (hq[:, None] < HQ) & hd_mask[None, :]
+    q1 = tl.load(q_ptr + row * q_stride + q_off, mask=q_mask, other=0.0).to(tl.float32)
+    q2 = tl.load(q_ptr + row * q_stride + q_off + HALF, mask=q_mask, other=0.0).to(tl.float32)
+    o1, o2 = _rms_rope_heads(q1, q2, qn_ptr, c, s, hd, hd_mask, eps, D, HALF, HAS_NORM, dtype)
+    tl.store(q_out_ptr + row * HQ * D + q_off, o1, mask=q_mask)
+    tl.store(q_out_ptr + row * HQ * D + q_off + HALF, o2, mask=q_mask)
+
+    hk = tl.arange(0, HKV_P)
+    k_off = hk[:, None] * D + hd[None, :]
+    k_mask = (hk[:, None] < HKV) & hd_mask[None, :]
+    k1 = tl.load(k_ptr + row * k_stride + k_off, mask=k_mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k_ptr + row * k_stride + k_off + HALF, mask=k_mask, other=0.0).to(tl.float32)
+    o1, o2 = _rms_rope_heads(k1, k2, kn_ptr, c, s, hd, hd_mask, eps, D, HALF, HAS_NORM, dtype)
+    tl.store(k_out_ptr + row * HKV * D + k_off, o1, mask=k_mask)
+    tl.store(k_out_ptr + row * HKV * D + k_off + HALF, o2, mask=k_mask)
+    if pos < tl.load(len_ptr + row // L):  # a real token (right padding computes garbage nobody reads)
+        slot = tl.load(slot_ptr + row)
+        c_off = ((slot // BS * HKV + hk[:, None]) * BS + slot % BS) * D + hd[None, :]
+        tl.store(k_cache_ptr + c_off, o1, mask=k_mask)
+        tl.store(k_cache_ptr + c_off + HALF, o2, mask=k_mask)
+        v1 = tl.load(v_ptr + row * v_stride + k_off, mask=k_mask, other=0.0)
+        v2 = tl.load(v_ptr + row * v_stride + k_off + HALF, mask=k_mask, other=0.0)
+        tl.store(v_cache_ptr + c_off, v1.to(dtype), mask=k_mask)
+        tl.store(v_cache_ptr + c_off + HALF, v2.to(dtype), mask=k_mask)
+
+
+def prefill_rope_write_kv(q, k, v, lengths, slots, cos, sin, q_norm, k_norm, eps, k_cache, v_cache):
+    """See TorchOps.prefill_rope_write_kv; one program per token of the right-padded prompts."""
+    num_tokens, half, head_dim, num_heads, num_kv_heads = _rope_shapes(q, k, v, cos)
+    width = slots.shape[1]
+    assert num_tokens == slots.numel() and slots.is_contiguous(), "one slot per token of the [P, L] prompts"
+    q_out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=k.dtype, device=k.device)
+    has_norm = q_norm is not None
+    _prefill_rope_write_kv_kernel[(num_tokens,)](
+        q, k, v, q.stride(0), k.stride(0), v.stride(0), lengths, slots, cos, sin,
+        q_norm if has_norm else q, k_norm if has_norm else k, eps,
+        q_out, k_out, k_cache, v_cache, width,
+        HQ=num_heads, HKV=num_kv_heads, HQ_P=triton.next_power_of_2(num_heads),
+        HKV_P=triton.next_power_of_2(num_kv_heads), D=head_dim, HALF=half,
+        HALF_P=triton.next_power_of_2(half), BS=k_cache.shape[2], HAS_NORM=has_norm, num_warps=4,
+    )  # fmt: skip
+    return q_out, k_out
+
+
+@triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, g_stride, u_stride, N, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
