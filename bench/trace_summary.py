@@ -1,14 +1,17 @@
 """Where the GPU time of a profiled step went, phase by phase, from a torch.profiler Chrome trace.
 
-    python bench/compare_trl.py --skip-trl --profile 3 --trace step3.json.gz
-    python bench/trace_summary.py step3.json.gz [--top 15] [--gaps]
+    python bench/compare_trl.py --skip-trl --profile 3 --trace step3.json.gz [--stack]
+    python bench/trace_summary.py step3.json.gz [--top 15] [--gaps] [--why] [--launchers 'phase/train:Memset|add']
 
 A kernel belongs to the phase (`phase/*` ranges of the step loop) whose CPU range launched it; for
 each phase this prints its wall time, the time the GPU was busy with its kernels (the union of their
 intervals, so overlapping streams count once), the idle rest, and the kernels that took the most time.
 `--gaps` also splits each phase's idle GPU time by what the host was doing meanwhile (inside a
 compiled forward, a compiled backward, another backward function, the optimizer, or elsewhere:
-Python between calls, packing, waiting on a copy).
+Python between calls, packing, waiting on a copy). With a trace recorded with Python frames
+(`--stack`), `--why` names the host-blocking CUDA calls and the frames the host was in while the GPU
+idled, and `--launchers PHASE:REGEX` counts the phase's kernels whose name matches by the operator
+and frame that launched them.
 """
 
 from __future__ import annotations
