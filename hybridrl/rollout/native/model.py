@@ -56,7 +56,7 @@ class NativeDecoder:
         d = spec.head_dim
         q_size, kv_size = spec.num_heads * d, spec.num_kv_heads * d
         # On CUDA ~10 kernels a layer, where plain PyTorch ops took ~55: the prefill's time was its
-        # host's launches (train/NOTES.md, session 18).
+        # host's launches (NOTES.md here, session 18).
         x = F.embedding(input_ids.flatten(), w.embed)  # [P * L, H]
         residual = x.new_zeros(x.shape, dtype=torch.float32) if self.fp32_residual else None
         for layer, lw in enumerate(w.layers()):
