@@ -32,6 +32,22 @@ class NativeDecoder:
         if self.cos is None or self.cos.shape[0] < max_positions:
             self.cos, self.sin = self.weights.rope_tables(max_positions)
 
+    def _qkv(self, h: torch.Tensor, layer: int, lw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer's q, k, v of rows h: one product of the fused q|k|v weight when there is one."""
+        if self.fused is None:
+            return F.linear(h, lw.q_w, lw.q_b), F.linear(h, lw.k_w, lw.k_b), F.linear(h, lw.v_w, lw.v_b)
+        q_size, kv_size = self.spec.num_heads * self.spec.head_dim, self.spec.num_kv_heads * self.spec.head_dim
+        return F.linear(h, self.fused.qkv_w[layer], self.fused.qkv_b[layer]).split([q_size, kv_size, kv_size], -1)
+
+    def _mlp(self, h: torch.Tensor, layer: int, lw) -> torch.Tensor:
+        """A layer's down(SiLU(gate) * up) of rows h, gate|up as one product when fused."""
+        fused = self.fused
+        if fused is not None:
+            gate, up = F.linear(h, fused.gate_up_w[layer]).split([fused.inter, fused.inter], -1)
+        else:
+            gate, up = F.linear(h, lw.gate_w), F.linear(h, lw.up_w)
+        return F.linear(self.ops.silu_mul(gate, up), lw.down_w)
+
     @torch.no_grad()
     def prefill(
         self,
@@ -51,20 +67,16 @@ class NativeDecoder:
         layers run the decode step's ops (add + RMSNorm, fused q|k|v and gate|up, SiLU * up) with
         every token as a row, so the prefill rounds where the decode step does.
         """
-        spec, w, ops, fused = self.spec, self.weights, self.ops, self.fused
+        spec, w, ops = self.spec, self.weights, self.ops
         num_prompts, length = input_ids.shape
         d = spec.head_dim
-        q_size, kv_size = spec.num_heads * d, spec.num_kv_heads * d
         # On CUDA ~10 kernels a layer, where plain PyTorch ops took ~55: the prefill's time was its
         # host's launches (NOTES.md here, session 18).
         x = F.embedding(input_ids.flatten(), w.embed)  # [P * L, H]
         residual = x.new_zeros(x.shape, dtype=torch.float32) if self.fp32_residual else None
         for layer, lw in enumerate(w.layers()):
             h, residual = ops.add_rms_norm(x, residual, lw.input_norm, spec.rms_eps)
-            if fused is not None:
-                q, k, v = F.linear(h, fused.qkv_w[layer], fused.qkv_b[layer]).split([q_size, kv_size, kv_size], -1)
-            else:
-                q, k, v = F.linear(h, lw.q_w, lw.q_b), F.linear(h, lw.k_w, lw.k_b), F.linear(h, lw.v_w, lw.v_b)
+            q, k, v = self._qkv(h, layer, lw)
             q, k = ops.prefill_rope_write_kv(
                 q, k, v, lengths, slots, valid_index, self.cos, self.sin, lw.q_norm, lw.k_norm, spec.rms_eps,
                 cache.k[layer], cache.v[layer],
@@ -75,11 +87,7 @@ class NativeDecoder:
             )  # fmt: skip
             x = F.linear(attn.transpose(1, 2).reshape(num_prompts * length, -1), lw.o_w, lw.o_b)
             h, residual = ops.add_rms_norm(x, residual, lw.post_norm, spec.rms_eps)
-            if fused is not None:
-                gate, up = F.linear(h, fused.gate_up_w[layer]).split([fused.inter, fused.inter], -1)
-            else:
-                gate, up = F.linear(h, lw.gate_w), F.linear(h, lw.up_w)
-            x = F.linear(ops.silu_mul(gate, up), lw.down_w)
+            x = self._mlp(h, layer, lw)
         last = torch.arange(num_prompts, device=x.device) * length + lengths - 1  # each prompt's last token
         h, _ = ops.add_rms_norm(x[last], residual[last], w.final_norm, spec.rms_eps)
         return F.linear(h, w.lm_head).float()
@@ -95,14 +103,9 @@ class NativeDecoder:
         spec, w, ops = self.spec, self.weights, self.ops
         x = F.embedding(tokens, w.embed)  # [B, H]
         residual = x.new_zeros(x.shape, dtype=torch.float32) if self.fp32_residual else None
-        fused = self.fused
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         for layer, lw in enumerate(w.layers()):
             h, residual = ops.add_rms_norm(x, residual, lw.input_norm, spec.rms_eps)
-            if fused is not None:
-                q, k, v = F.linear(h, fused.qkv_w[layer], fused.qkv_b[layer]).split([q_size, kv_size, kv_size], -1)
-            else:
-                q, k, v = F.linear(h, lw.q_w, lw.q_b), F.linear(h, lw.k_w, lw.k_b), F.linear(h, lw.v_w, lw.v_b)
+            q, k, v = self._qkv(h, layer, lw)
             attn = ops.rope_decode_attention(
                 q, k, v, positions, self.cos, self.sin, lw.q_norm, lw.k_norm, spec.rms_eps,
                 cache.k[layer], cache.v[layer], block_tables, spec.scaling, prefix=self.prefix,
@@ -110,10 +113,6 @@ class NativeDecoder:
             )  # fmt: skip
             x = F.linear(attn, lw.o_w, lw.o_b)
             h, residual = ops.add_rms_norm(x, residual, lw.post_norm, spec.rms_eps)
-            if fused is not None:
-                gate, up = F.linear(h, fused.gate_up_w[layer]).split([fused.inter, fused.inter], -1)
-            else:
-                gate, up = F.linear(h, lw.gate_w), F.linear(h, lw.up_w)
-            x = F.linear(ops.silu_mul(gate, up), lw.down_w)
+            x = self._mlp(h, layer, lw)
         h, _ = ops.add_rms_norm(x, residual, w.final_norm, spec.rms_eps)
         return F.linear(h, w.lm_head)

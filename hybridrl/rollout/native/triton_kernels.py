@@ -78,6 +78,23 @@ def _rope_at(cos_ptr, sin_ptr, pos, HALF: tl.constexpr, HALF_P: tl.constexpr):
 
 
 @triton.jit
+def _rope_heads_into(x_ptr, x_stride, out_ptr, row, w_ptr, eps, c, s, hd, hd_mask,
+                     H: tl.constexpr, H_P: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                     HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """Norms (if any) and rotates `row`'s H heads of x (heads contiguous, rows x_stride apart) into
+    row `row` of out `[rows, H, D]`; returns the rotated halves with their offsets and mask."""
+    h = tl.arange(0, H_P)
+    off = h[:, None] * D + hd[None, :]
+    mask = (h[:, None] < H) & hd_mask[None, :]
+    x1 = tl.load(x_ptr + row * x_stride + off, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + row * x_stride + off + HALF, mask=mask, other=0.0).to(tl.float32)
+    o1, o2 = _rms_rope_heads(x1, x2, w_ptr, c, s, hd, hd_mask, eps, D, HALF, HAS_NORM, DTYPE)
+    tl.store(out_ptr + row * H * D + off, o1, mask=mask)
+    tl.store(out_ptr + row * H * D + off + HALF, o2, mask=mask)
+    return o1, o2, off, mask
+
+
+@triton.jit
 def _rope_write_kv(
     k_ptr, v_ptr, k_stride, v_stride, kn_ptr, eps, row, pos, heads, mask, c, s, hd, hd_mask,
     k_cache_ptr, v_cache_ptr, bt_ptr, bt_stride,
@@ -129,6 +146,14 @@ def _rope_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
     return q.shape[0], half, head_dim, q.shape[1] // head_dim, k.shape[1] // head_dim
 
 
+def _head_consts(num_heads: int, num_kv_heads: int, half: int, k_cache: torch.Tensor, has_norm: bool) -> dict:
+    """The compile-time head shapes of the rotary + KV-write kernels, and their launch width."""
+    return dict(
+        HQ=num_heads, HKV=num_kv_heads, HQ_P=triton.next_power_of_2(num_heads), HKV_P=triton.next_power_of_2(num_kv_heads),
+        D=2 * half, HALF=half, HALF_P=triton.next_power_of_2(half), BS=k_cache.shape[2], HAS_NORM=has_norm, num_warps=4,
+    )  # fmt: skip
+
+
 @triton.jit
 def _qk_rope_write_kv_kernel(
     q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
@@ -143,14 +168,7 @@ def _qk_rope_write_kv_kernel(
     pos = tl.load(pos_ptr + row)
     hd, hd_mask, c, s = _rope_at(cos_ptr, sin_ptr, pos, HALF, HALF_P)
 
-    hq = tl.arange(0, HQ_P)
-    head_off = hq[:, None] * D + hd[None, :]
-    q_mask = (hq[:, None] < HQ) & hd_mask[None, :]
-    q1 = tl.load(q_ptr + row * q_stride + head_off, mask=q_mask, other=0.0).to(tl.float32)
-    q2 = tl.load(q_ptr + row * q_stride + head_off + HALF, mask=q_mask, other=0.0).to(tl.float32)
-    o1, o2 = _rms_rope_heads(q1, q2, qn_ptr, c, s, hd, hd_mask, eps, D, HALF, HAS_NORM, dtype)
-    tl.store(q_out_ptr + row * HQ * D + head_off, o1.to(dtype), mask=q_mask)
-    tl.store(q_out_ptr + row * HQ * D + head_off + HALF, o2.to(dtype), mask=q_mask)
+    _rope_heads_into(q_ptr, q_stride, q_out_ptr, row, qn_ptr, eps, c, s, hd, hd_mask, HQ, HQ_P, D, HALF, HAS_NORM, dtype)
 
     hk = tl.arange(0, HKV_P)[:, None]  # every KV head
     _rope_write_kv(
@@ -173,9 +191,7 @@ def qk_rope_write_kv(
         q, k, v, q.stride(0), k.stride(0), v.stride(0), positions, cos, sin,
         q_norm if has_norm else q, k_norm if has_norm else k, eps,
         q_out, k_arg, v_arg, block_tables, block_tables.stride(0), **table,
-        HQ=num_heads, HKV=num_kv_heads, HQ_P=triton.next_power_of_2(num_heads),
-        HKV_P=triton.next_power_of_2(num_kv_heads), D=head_dim, HALF=half,
-        HALF_P=triton.next_power_of_2(half), BS=k_cache.shape[2], HAS_NORM=has_norm, num_warps=4,
+        **_head_consts(num_heads, num_kv_heads, half, k_cache, has_norm),
     )  # fmt: skip
     return q_out
 
@@ -192,26 +208,13 @@ def _prefill_rope_write_kv_kernel(
     dtype = q_out_ptr.dtype.element_ty
     hd, hd_mask, c, s = _rope_at(cos_ptr, sin_ptr, pos, HALF, HALF_P)
 
-    hq = tl.arange(0, HQ_P)
-    q_off = hq[:, None] * D + hd[None, :]
-    q_mask = (hq[:, None] < HQ) & hd_mask[None, :]
-    q1 = tl.load(q_ptr + row * q_stride + q_off, mask=q_mask, other=0.0).to(tl.float32)
-    q2 = tl.load(q_ptr + row * q_stride + q_off + HALF, mask=q_mask, other=0.0).to(tl.float32)
-    o1, o2 = _rms_rope_heads(q1, q2, qn_ptr, c, s, hd, hd_mask, eps, D, HALF, HAS_NORM, dtype)
-    tl.store(q_out_ptr + row * HQ * D + q_off, o1, mask=q_mask)
-    tl.store(q_out_ptr + row * HQ * D + q_off + HALF, o2, mask=q_mask)
-
-    hk = tl.arange(0, HKV_P)
-    k_off = hk[:, None] * D + hd[None, :]
-    k_mask = (hk[:, None] < HKV) & hd_mask[None, :]
-    k1 = tl.load(k_ptr + row * k_stride + k_off, mask=k_mask, other=0.0).to(tl.float32)
-    k2 = tl.load(k_ptr + row * k_stride + k_off + HALF, mask=k_mask, other=0.0).to(tl.float32)
-    o1, o2 = _rms_rope_heads(k1, k2, kn_ptr, c, s, hd, hd_mask, eps, D, HALF, HAS_NORM, dtype)
-    tl.store(k_out_ptr + row * HKV * D + k_off, o1, mask=k_mask)
-    tl.store(k_out_ptr + row * HKV * D + k_off + HALF, o2, mask=k_mask)
+    _rope_heads_into(q_ptr, q_stride, q_out_ptr, row, qn_ptr, eps, c, s, hd, hd_mask, HQ, HQ_P, D, HALF, HAS_NORM, dtype)
+    o1, o2, k_off, k_mask = _rope_heads_into(
+        k_ptr, k_stride, k_out_ptr, row, kn_ptr, eps, c, s, hd, hd_mask, HKV, HKV_P, D, HALF, HAS_NORM, dtype
+    )
     if pos < tl.load(len_ptr + row // L):  # a real token (right padding computes garbage nobody reads)
         slot = tl.load(slot_ptr + row)
-        c_off = ((slot // BS * HKV + hk[:, None]) * BS + slot % BS) * D + hd[None, :]
+        c_off = ((slot // BS * HKV + tl.arange(0, HKV_P)[:, None]) * BS + slot % BS) * D + hd[None, :]
         tl.store(k_cache_ptr + c_off, o1, mask=k_mask)
         tl.store(k_cache_ptr + c_off + HALF, o2, mask=k_mask)
         v1 = tl.load(v_ptr + row * v_stride + k_off, mask=k_mask, other=0.0)
@@ -232,9 +235,7 @@ def prefill_rope_write_kv(q, k, v, lengths, slots, cos, sin, q_norm, k_norm, eps
         q, k, v, q.stride(0), k.stride(0), v.stride(0), lengths, slots, cos, sin,
         q_norm if has_norm else q, k_norm if has_norm else k, eps,
         q_out, k_out, k_cache, v_cache, width,
-        HQ=num_heads, HKV=num_kv_heads, HQ_P=triton.next_power_of_2(num_heads),
-        HKV_P=triton.next_power_of_2(num_kv_heads), D=head_dim, HALF=half,
-        HALF_P=triton.next_power_of_2(half), BS=k_cache.shape[2], HAS_NORM=has_norm, num_warps=4,
+        **_head_consts(num_heads, num_kv_heads, half, k_cache, has_norm),
     )  # fmt: skip
     return q_out, k_out
 
