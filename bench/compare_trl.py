@@ -293,7 +293,7 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
         "peak_allocated_gib": max(r.get("memory/peak_allocated_gib") or 0.0 for r in records) if device == "cuda" else None,
         "phases_s": {k.removeprefix("timing/"): mean(k) for k in phases if k.count("/") == 1},
         "rollout_engine": {k.removeprefix("timing/rollout/"): mean(k) for k in phases if k.startswith("timing/rollout/")},
-        # the host's seconds issuing the update's micro-batches: near timing/train, launching is the limit
+        # the host's seconds issuing the update's micro-batches (near timing/train: host-limited, or held by a full launch queue)
         "train_host_issue_s": mean("timing/train/actor_host_issue"),
         # which phase sets the peak (GPU): the allocator's peak while each phase ran, over the steps after the first
         "peak_by_phase_gib": {k.removeprefix("memory/peak_allocated_gib/"): max(r[k] for r in later if k in r)

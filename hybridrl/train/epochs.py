@@ -47,8 +47,8 @@ def update_epochs(
     applied = [r.grad_norm for r in results if not r.skipped]
     metrics[f"{prefix}/grad_norm"] = sum(applied) / len(applied) if applied else float("nan")
     metrics[f"{prefix}/lr"] = optimizer.param_groups[0]["lr"]
-    # Part of the `timing/train` phase, on the host's clock (StepResult.issue_s): close to that
-    # phase's time on a GPU, the host's launching is the limit.
+    # Part of the `timing/train` phase, on the host's clock (StepResult.issue_s). Close to that phase's
+    # time on a GPU it does not by itself say the host limits it: a full launch queue holds the host back too.
     metrics[f"timing/train/{prefix}_host_issue"] = sum(r.issue_s for r in results)
     scheduler.step()
     return metrics, sum(r.skipped for r in results), work

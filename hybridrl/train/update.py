@@ -30,8 +30,8 @@ class StepResult:
     # keys ending in "/max" are maxima; every other metric (fractions, means) is averaged.
     metrics: dict[str, float] = field(default_factory=dict)
     # Host seconds spent issuing the micro-batches' forward and backward passes, before the step's
-    # first wait on the device. On a GPU, near the device's time for the same work (`timing/train`)
-    # it means the host's launching is what the GPU waits on, not its kernels.
+    # first wait on the device. On a GPU, well below the device's time for the same work
+    # (`timing/train`) the host is ahead; near it, the host limits or waits on a full launch queue.
     issue_s: float = 0.0
 
 
