@@ -46,6 +46,21 @@ SHAPES = {  # (hidden, intermediate, heads, kv heads, head dim, layers)
 
 
 @triton.jit
+def _bias_swiglu_store(out, up, b_ptr, out_ptr, rm, rn, M, N, stride_o, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):
+    """Both kernels' epilogue: + b, then with SWIGLU silu(gate) * up (gate = `out`), rounded to the
+    model dtype where HF rounds; stores the [BM, BN] tile at rows rm, columns rn."""
+    n_mask = rn < N
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if SWIGLU:
+        gate = out.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        out = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32) * up
+    tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(rm < M)[:, None] & n_mask[None, :])  # fmt: skip
+
+
+@triton.jit
 def _norm_linear_kernel(
     x_ptr, g_ptr, w_ptr, b_ptr, out_ptr, M, N, K, eps,
     stride_x, stride_w, stride_o,
@@ -61,8 +76,7 @@ def _norm_linear_kernel(
     m_mask = rm < M
     n_mask = rn < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if SWIGLU:
-        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_up = tl.zeros((BM, BN), dtype=tl.float32)  # SWIGLU only (dead code otherwise)
     ss = tl.zeros((BM,), dtype=tl.float32)
     for k in range(0, K, BK):
         a = tl.load(x_ptr + rm[:, None] * stride_x + (k + rk)[None, :], mask=m_mask[:, None], other=0.0).to(tl.float32)
@@ -75,15 +89,7 @@ def _norm_linear_kernel(
             wu = tl.load(w_ptr + (rn + N)[None, :] * stride_w + (k + rk)[:, None], mask=n_mask[None, :], other=0.0)
             acc_up = tl.dot(a, wu, acc_up)
     rstd = tl.rsqrt(ss / K + eps)[:, None]
-    out = acc * rstd
-    if HAS_BIAS:
-        out += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if SWIGLU:
-        gate = out.to(out_ptr.dtype.element_ty).to(tl.float32)
-        up = (acc_up * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-        out = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32) * up
-    tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])  # fmt: skip
+    _bias_swiglu_store(acc * rstd, acc_up * rstd, b_ptr, out_ptr, rm, rn, M, N, stride_o, HAS_BIAS, SWIGLU)
 
 
 @triton.jit
@@ -100,8 +106,7 @@ def _norm_linear_tma_kernel(
     m0 = pid_m * BM
     n0 = pid_n * BN
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if SWIGLU:
-        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_up = tl.zeros((BM, BN), dtype=tl.float32)  # SWIGLU only (dead code otherwise)
     ss = tl.zeros((BM,), dtype=tl.float32)
     for k in range(0, K, BK):
         a = x_desc.load([m0, k])
@@ -116,23 +121,13 @@ def _norm_linear_tma_kernel(
         if SWIGLU:
             wu = w_desc.load([n0 + N, k])
             acc_up = tl.dot(a, wu.T, acc_up)
-    out = acc
     if NORM:
         rstd = tl.rsqrt(ss / K + eps)[:, None]
-        out = out * rstd
-    if HAS_BIAS:
-        out += tl.load(b_ptr + n0 + tl.arange(0, BN), mask=n0 + tl.arange(0, BN) < N, other=0.0).to(tl.float32)[None, :]
-    if SWIGLU:
-        up = acc_up
-        if NORM:
-            up = up * rstd
-        gate = out.to(out_ptr.dtype.element_ty).to(tl.float32)
-        up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        out = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32) * up
+        acc = acc * rstd
+        acc_up = acc_up * rstd
     rm = m0 + tl.arange(0, BM)
     rn = n0 + tl.arange(0, BN)
-    tl.store(out_ptr + rm[:, None] * stride_o + rn[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(rm < M)[:, None] & (rn < N)[None, :])  # fmt: skip
+    _bias_swiglu_store(acc, acc_up, b_ptr, out_ptr, rm, rn, M, N, stride_o, HAS_BIAS, SWIGLU)
 
 
 def norm_linear_tma(x, g, w, b, eps, *, swiglu: bool, cfg, norm: bool = True, fold_g: bool = True) -> torch.Tensor:
