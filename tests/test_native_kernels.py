@@ -27,6 +27,20 @@ from hybridrl.rollout.native.sampling import SAMPLE_CHUNK, SamplingParams, sampl
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
+def _reads_runtime_loop_bounds() -> bool:
+    """Triton 3.6's interpreter turns a loop over a run-time bound (`range(lo, hi, TILE)`) into int()
+    of a 1-element array, which numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted to
+    Python scalars"); compiled for a GPU the same loops are fine."""
+    import numpy
+
+    return DEVICE == "cuda" or tuple(int(p) for p in numpy.__version__.split(".")[:2]) < (2, 4)
+
+
+needs_runtime_loop_bounds = pytest.mark.skipif(
+    not _reads_runtime_loop_bounds(), reason="kernels that loop to a run-time bound need numpy < 2.4 under Triton 3.6's interpreter"
+)
+
+
 def _tol(dtype):
     return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
 
@@ -244,6 +258,7 @@ def test_kernels_find_the_cache_through_the_address_table(dtype):
     assert not first.k.any() and not first.v.any()
 
 
+@needs_runtime_loop_bounds
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tile", [16, 64])
 @pytest.mark.parametrize("splits", [1, 2, 3, 5, 0])
@@ -365,6 +380,7 @@ def test_two_level_sampling_skips_chunks_without_mass_and_ignores_the_batch():
         assert tok_one.item() == tok[3].item()
 
 
+@needs_runtime_loop_bounds
 def test_engine_with_shared_prefix_attention_generates_the_same():
     """The whole engine with the Triton kernels, cascade attention on and off: the same samples
     (same tokens, log-probs within fp32 rounding) for prompts that share one and two full blocks.
@@ -393,6 +409,7 @@ def test_engine_with_shared_prefix_attention_generates_the_same():
         torch.testing.assert_close(torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs), atol=1e-4, rtol=0)
 
 
+@needs_runtime_loop_bounds
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("kind", ["pointer", "tma", "tma-wg"])
