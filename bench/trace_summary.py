@@ -145,6 +145,17 @@ def idle_by_host_activity(events: list[dict]) -> dict[str, dict[str, float]]:
 BLOCKING_MS = 0.2  # a runtime call this long held the host: a sync, a pageable copy, an allocation
 
 
+def _indexed(spans) -> tuple[list[tuple[float, float, str]], list[float]]:
+    """(start, end, name) spans sorted by start, and their starts: `_innermost`'s arguments."""
+    spans = sorted(spans)
+    return spans, [s[0] for s in spans]
+
+
+def _project_frame(frame: str | None, project: str) -> str | None:
+    """A Python frame's name from the project's own path on (None stays None)."""
+    return frame and re.sub(r"^.*?" + re.escape(project), "", frame)
+
+
 def _innermost(spans: list[tuple[float, float, str]], starts: list[float], ts: float, max_back: int = 4000) -> str | None:
     """Name of the shortest span in `spans` (sorted by start) that holds time `ts`."""
     best = None
@@ -163,8 +174,7 @@ def why_idle(events: list[dict], project: str = "hybridrl/") -> dict[str, dict[s
     innermost project Python frame (traces made with `with_stack`) or operator that made them; (2) the
     GPU's idle time by the innermost project Python frame the host was in at each idle interval's middle."""
     def spans_of(pred):
-        spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("ph") == "X" and pred(e))
-        return spans, [s[0] for s in spans]
+        return _indexed((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("ph") == "X" and pred(e))
 
     frames = spans_of(lambda e: e.get("cat") == "python_function" and project in e.get("name", ""))
     ops = spans_of(lambda e: e.get("cat") == "cpu_op")
@@ -176,7 +186,7 @@ def why_idle(events: list[dict], project: str = "hybridrl/") -> dict[str, dict[s
     def where(ts: float) -> str:
         frame = _innermost(*frames, ts)
         op = _innermost(*ops, ts)
-        return " / ".join(x for x in (frame and re.sub(r"^.*?" + re.escape(project), "", frame), op) if x) or "(no frame)"
+        return " / ".join(x for x in (_project_frame(frame, project), op) if x) or "(no frame)"
 
     out = {}
     for phase in phases:
@@ -218,16 +228,13 @@ def launchers(events: list[dict], phase: str, pattern: str, project: str = "hybr
     innermost operator and project Python frame (traces made with `with_stack`) on the launching
     thread (the autograd engine launches the backward's from its own thread). Kernel ms and count."""
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name") == phase]
-    by_tid: dict = defaultdict(lambda: ([], []))
+    by_thread: dict = defaultdict(list)  # (category, thread): its operators' or project frames' spans
     for e in events:
         if e.get("ph") != "X":
             continue
         if e.get("cat") == "cpu_op" or (e.get("cat") == "python_function" and project in e.get("name", "")):
-            by_tid[(e.get("cat"), e.get("tid"))][0].append((e["ts"], e["ts"] + e["dur"], e["name"]))
-    index = {}
-    for key, (lst, _) in by_tid.items():
-        lst.sort()
-        index[key] = (lst, [s[0] for s in lst])
+            by_thread[(e.get("cat"), e.get("tid"))].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    index = {key: _indexed(spans) for key, spans in by_thread.items()}
     launch = {}
     for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
@@ -241,8 +248,7 @@ def launchers(events: list[dict], phase: str, pattern: str, project: str = "hybr
         if ts is None or not any(a <= ts <= b for a, b in spans):
             continue
         op = _innermost(*index.get(("cpu_op", tid), ([], [])), ts)
-        frame = _innermost(*index.get(("python_function", tid), ([], [])), ts)
-        frame = frame and re.sub(r"^.*?" + re.escape(project), "", frame)
+        frame = _project_frame(_innermost(*index.get(("python_function", tid), ([], [])), ts), project)
         s = totals[f"{short_name(e['name']).strip()[:50]} <- {op} <- {frame}"]
         s[0] += e["dur"] / 1e3
         s[1] += 1

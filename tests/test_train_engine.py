@@ -116,6 +116,24 @@ def test_trace_summary_names_the_operator_and_frame_on_the_launching_thread():
                     ("Memset <- aten::zero_ <- None", pytest.approx(0.002), 1)]
 
 
+def test_trace_summary_names_the_blocking_call_and_the_frame_the_gpu_idled_in():
+    """`why_idle`: a long runtime call of a phase goes to the innermost project frame and operator
+    around it; the GPU's idle time to where the host was at each idle interval's middle."""
+    trace_summary = bench_script("trace_summary")
+    X = dict(ph="X", pid=1, tid=1)
+    events = [
+        {**X, "cat": "user_annotation", "name": "phase/train", "ts": 0, "dur": 1000},
+        {**X, "cat": "python_function", "name": "/site/hybridrl/train/update.py(1): step", "ts": 0, "dur": 900},
+        {**X, "cat": "cpu_op", "name": "aten::item", "ts": 100, "dur": 500},
+        {**X, "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 200, "dur": 400},
+        {**X, "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 10, "dur": 5},  # too short to block
+        {**X, "cat": "kernel", "name": "k", "ts": 0, "dur": 50},
+    ]
+    out = trace_summary.why_idle(events)["phase/train"]
+    assert out["blocking"] == [("cudaStreamSynchronize <- train/update.py(1): step / aten::item", pytest.approx(0.4), 1)]
+    assert out["idle"] == [("train/update.py(1): step / aten::item", pytest.approx(0.95), 1)]
+
+
 def test_host_threads_default_to_one_with_a_gpu_and_to_torchs_on_cpu():
     import torch
 
