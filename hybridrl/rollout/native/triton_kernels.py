@@ -107,9 +107,19 @@ def _rope_write_kv(
     k2 = tl.load(k_ptr + row * k_stride + off + HALF, mask=mask, other=0.0).to(tl.float32)
     o1, o2 = _rms_rope_heads(k1, k2, kn_ptr, c, s, hd, hd_mask, eps, D, HALF, HAS_NORM, DTYPE)
     block = tl.load(bt_ptr + row * bt_stride + pos // BS).to(tl.int64)
-    c_off = ((block * HKV + heads) * BS + pos % BS) * D + hd[None, :]
-    tl.store(k_cache_ptr + c_off, o1.to(DTYPE), mask=mask)
-    tl.store(k_cache_ptr + c_off + HALF, o2.to(DTYPE), mask=mask)
+    _store_kv(k_cache_ptr, v_cache_ptr, v_ptr, v_stride, row, block, pos % BS, heads, off, o1, o2, mask, hd, HKV, D, HALF, BS, DTYPE)
+
+
+@triton.jit
+def _store_kv(
+    k_cache_ptr, v_cache_ptr, v_ptr, v_stride, row, block, in_block, heads, off, k1, k2, mask, hd,
+    HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Writes a token's rotated key halves (k1, k2) and its value (row `row` of v, heads at `off`)
+    into place `in_block` of cache block `block`, for KV heads `heads`."""
+    c_off = ((block * HKV + heads) * BS + in_block) * D + hd[None, :]
+    tl.store(k_cache_ptr + c_off, k1.to(DTYPE), mask=mask)
+    tl.store(k_cache_ptr + c_off + HALF, k2.to(DTYPE), mask=mask)
     v1 = tl.load(v_ptr + row * v_stride + off, mask=mask, other=0.0)
     v2 = tl.load(v_ptr + row * v_stride + off + HALF, mask=mask, other=0.0)
     tl.store(v_cache_ptr + c_off, v1.to(DTYPE), mask=mask)
@@ -214,13 +224,8 @@ def _prefill_rope_write_kv_kernel(
     )
     if pos < tl.load(len_ptr + row // L):  # a real token (right padding computes garbage nobody reads)
         slot = tl.load(slot_ptr + row)
-        c_off = ((slot // BS * HKV + tl.arange(0, HKV_P)[:, None]) * BS + slot % BS) * D + hd[None, :]
-        tl.store(k_cache_ptr + c_off, o1, mask=k_mask)
-        tl.store(k_cache_ptr + c_off + HALF, o2, mask=k_mask)
-        v1 = tl.load(v_ptr + row * v_stride + k_off, mask=k_mask, other=0.0)
-        v2 = tl.load(v_ptr + row * v_stride + k_off + HALF, mask=k_mask, other=0.0)
-        tl.store(v_cache_ptr + c_off, v1.to(dtype), mask=k_mask)
-        tl.store(v_cache_ptr + c_off + HALF, v2.to(dtype), mask=k_mask)
+        _store_kv(k_cache_ptr, v_cache_ptr, v_ptr, v_stride, row, slot // BS, slot % BS, tl.arange(0, HKV_P)[:, None],
+                  k_off, o1, o2, k_mask, hd, HKV, D, HALF, BS, dtype)  # fmt: skip
 
 
 def prefill_rope_write_kv(q, k, v, lengths, slots, cos, sin, q_norm, k_norm, eps, k_cache, v_cache):
