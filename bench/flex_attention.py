@@ -3,7 +3,8 @@
     python bench/flex_attention.py                 # 16,384-token micro-batch, W0.5B heads
     python bench/flex_attention.py --tokens 32768
     python bench/flex_attention.py --backward      # backward tiles, forward tiles fixed
-    python bench/flex_attention.py --kernels       # train.packed_attention: flash, flex (our tiles), fa4 (if installed)
+    python bench/flex_attention.py --kernels       # train.packed_attention: flash, flex (our tiles), triton, fa4 (if installed)
+    python bench/flex_attention.py --kernels --only flash triton --triton-configs 128:64:4:3 128:128:8:2
 
 The micro-batch is laid out as training lays it out (hybridrl/train/packing.py): per prompt group
 `[prompt 256 | 8 responses x 512]`, each response seeing its prompt and its own earlier tokens,
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 from types import SimpleNamespace
 
@@ -139,10 +141,29 @@ def compare_kernels(args, device) -> dict:
     def run_fa4(q, k, v):
         return _flash_varlen_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], seg4, scale)
 
-    candidates = {"flex": run_flex, "flash": run_flash, "fa4": run_fa4}
+    seg_t = dataclasses.replace(seg, kernel="triton")
+
+    def run_triton(q, k, v):
+        return _flash_varlen_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], seg_t, scale)
+
+    candidates = {"flex": run_flex, "flash": run_flash, "triton": run_triton, "fa4": run_fa4}
+    for cfg in args.triton_configs:  # the Triton forward with other tiles (its backward is flash's)
+
+        def run_cfg(q, k, v, cfg=cfg):
+            default = os.environ.get("HYBRIDRL_VARLEN_TILES")
+            os.environ["HYBRIDRL_VARLEN_TILES"] = cfg
+            try:
+                return run_triton(q, k, v)
+            finally:
+                if default is None:
+                    del os.environ["HYBRIDRL_VARLEN_TILES"]
+                else:
+                    os.environ["HYBRIDRL_VARLEN_TILES"] = default
+
+        candidates[f"triton{cfg}"] = run_cfg
     results, outs, grads = {}, {}, {}
     for name, fn in candidates.items():
-        if args.only and name not in args.only:
+        if args.only and name not in args.only and name.removeprefix("triton") not in args.triton_configs:
             continue
         q, k, v = (t.detach().clone().requires_grad_() for t in (q0, k0, v0))
         try:
@@ -185,6 +206,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="candidate names to run")
     ap.add_argument("--backward", action="store_true", help="sweep the backward tiles (BWD_CANDIDATES) instead")
     ap.add_argument("--kernels", action="store_true", help="compare train.packed_attention's flash and flex kernels")
+    ap.add_argument("--triton-configs", nargs="*", default=[], metavar="M:N:WARPS:STAGES",
+                    help="with --kernels: also time the Triton forward with these tiles (rows, keys, warps, stages)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")

@@ -6,10 +6,16 @@ Two kernels serve packed rows on CUDA (`train.packed_attention`):
   front of its own (a 256-byte-per-token copy at W0.5B shapes), and causality is counted from the
   bottom right, so response token t sees the whole prompt and its own tokens up to t.
 - `flex`: a FlexAttention `BlockMask` over the row: tiles outside every sequence are skipped.
+- `triton`: the same segments, forward by a Triton kernel that stacks the query heads of each KV
+  head into one tile's rows (triton_varlen.py), backward by PyTorch's FlashAttention-2 from that
+  forward's output and log-sum-exp.
 - `fa4`: the same segments through FlashAttention-4's CuTe kernels (`pip install flash-attn-4`;
   Hopper and Blackwell kernels with wgmma / tcgen05, where PyTorch's FlashAttention-2 uses mma.sync).
   Optional: asked for without the package, it is an error that says what to install.
-`auto` takes flash where it runs (an sm80+ GPU, bf16 / fp16, head dim <= 256), else flex. On an H200
+`auto` takes triton on Hopper (sm90) for head dims 64 and 128, flash elsewhere it runs (an sm80+
+GPU, bf16 / fp16, head dim <= 256), else flex. At W0.5B on an H200 the Triton forward took a packed
+micro-batch's attention forward from ~0.19 to ~0.12-0.15 ms and the training step from 2.46 to
+2.39 s (train/NOTES.md, session 20). On an H200
 at W0.5B shapes (bench/flex_attention.py --kernels, 13k packed tokens) flash takes forward + backward
 from 1.149 ms to 0.793 ms (its forward alone is slower: 0.201 ms against 0.164 ms); in a profiled
 training step the attention kernels went from 435 ms to 175 ms (train/NOTES.md). FlexAttention has
@@ -47,8 +53,8 @@ SUPPORTED_BASES = ("sdpa", "eager", NAME)
 FLEX_KERNEL_OPTIONS = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 
 
-KERNELS = ("auto", "flash", "flex", "fa4")
-VARLEN_KERNELS = ("flash", "fa4")  # the kernels that take VarlenSegments
+KERNELS = ("auto", "flash", "flex", "triton", "fa4")
+VARLEN_KERNELS = ("flash", "triton", "fa4")  # the kernels that take VarlenSegments
 
 
 @dataclass
@@ -61,7 +67,7 @@ class VarlenSegments:
     kv_index: torch.Tensor
     max_q: int
     max_k: int
-    kernel: str = "flash"  # "flash" (PyTorch's FlashAttention-2) or "fa4" (FlashAttention-4's CuTe kernels)
+    kernel: str = "flash"  # "flash" (PyTorch's FlashAttention-2), "triton" (triton_varlen's forward) or "fa4"
 
 
 @torch.library.custom_op("hybridrl::varlen_attention", mutates_args=())
@@ -69,8 +75,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: to
                      max_q: int, max_k: int, scale: float, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(out `[Tq, H, D]`, log-sum-exp `[H, Tq]` fp32): attention over variable-length segments,
     causal from the bottom right; q `[Tq, H, D]`, k / v `[Tk, Hkv, D]` (grouped-query attention when
-    Hkv < H). `kernel` "flash": PyTorch's own FlashAttention-2; "fa4": FlashAttention-4's CuTe
-    kernels. Off CUDA the same contract runs as a dense reference (`_varlen_reference_*`): tests and
+    Hkv < H). `kernel` "flash": PyTorch's own FlashAttention-2; "triton": triton_varlen's forward
+    (FlashAttention-2's backward); "fa4": FlashAttention-4's CuTe kernels. Off CUDA the same contract runs as a dense reference (`_varlen_reference_*`): tests and
     CPU runs of `train.packed_attention=flash` / `fa4` go through it.
 
     A custom op rather than an autograd.Function: compiled code sees one opaque op whose output the
@@ -87,6 +93,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: to
             softmax_scale=scale, causal=True, return_lse=True,
         )  # fmt: skip
         return out, lse
+    if kernel == "triton":
+        from hybridrl.train.triton_varlen import varlen_forward
+
+        return varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale)
     out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
     return out, lse
 
@@ -227,6 +237,15 @@ def fa4_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bo
     return torch.cuda.get_device_capability(device)[0] in (9, 10, 11)
 
 
+def triton_forward_preferred(device: torch.device, head_dim: int) -> bool:
+    """`auto`'s choice between `triton` and `flash` where flash runs: the Triton forward where it was
+    measured faster end to end (an H200, head dims 64 and 128: train/NOTES.md, session 20), flash
+    elsewhere."""
+    if device.type != "cuda" or head_dim not in (64, 128) or importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def _packed_or_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
     seg = kwargs.pop("hybridrl_varlen", None)
     if seg is not None:
@@ -268,12 +287,14 @@ def enable_packed_attention(model: torch.nn.Module, kernel: str = "auto") -> str
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     can_flash = flash_available(param.device, param.dtype, head_dim)
-    if kernel == "flash" and not can_flash and param.device.type == "cuda":
+    if kernel in ("flash", "triton") and not can_flash and param.device.type == "cuda":
         raise ValueError(
-            f"train.packed_attention=flash needs PyTorch's FlashAttention kernel (sm80+ GPU, bf16/fp16, head dim <= 256); "
+            f"train.packed_attention={kernel} needs PyTorch's FlashAttention kernel (sm80+ GPU, bf16/fp16, head dim <= 256); "
             f"this model is {param.dtype} with head dim {head_dim} on {torch.cuda.get_device_name(param.device)}: "
             "set train.packed_attention=flex (or auto)"
         )
+    if kernel == "triton" and param.device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise ValueError("train.packed_attention=triton needs the triton package: install it, or set train.packed_attention=flash (or auto)")
     if kernel == "fa4" and not fa4_available(param.device, param.dtype, head_dim) and param.device.type == "cuda":
         raise ValueError(
             f"train.packed_attention=fa4 needs FlashAttention-4 (pip install flash-attn-4), a Hopper or Blackwell GPU "
@@ -282,8 +303,10 @@ def enable_packed_attention(model: torch.nn.Module, kernel: str = "auto") -> str
         )
     if kernel in VARLEN_KERNELS:  # off CUDA their segments run through the dense reference
         chosen = kernel
+    elif kernel == "auto" and can_flash:
+        chosen = "triton" if triton_forward_preferred(param.device, head_dim) else "flash"
     else:
-        chosen = "flash" if kernel == "auto" and can_flash else "flex"
+        chosen = "flex"
     model.config._attn_implementation = NAME
     # Forward passes reach the packed row through the whole model (critics) or its base (log-probs).
     model._hybridrl_packed_kernel = chosen

@@ -1,0 +1,176 @@
+"""Forward attention over packed variable-length segments in Triton, query heads of a KV head stacked.
+
+`varlen_forward(q [Tq, H, D], k / v [Tk, Hkv, D], cu_q, cu_k, max_q, scale)` returns what
+PyTorch's FlashAttention-2 varlen forward returns (`attention.varlen_attention`'s contract): the
+output `[Tq, H, D]` and the natural-log log-sum-exp `[H, Tq]` fp32, causal from the bottom right of
+each segment (query i of a segment of Lq queries and Lk keys sees keys j <= i + Lk - Lq). So
+FlashAttention-2's backward, which needs only (q, k, v, out, lse), can take this forward's output.
+
+What differs from FlashAttention-2 is the tile's rows. FlashAttention-2 gives each query head its
+own programs, so the GROUP query heads that share a KV head each load every K/V tile of their
+segment. Here a program's BLOCK_M rows are (token, query head) pairs of one KV head, token-major:
+GROUP consecutive rows are one token's query heads, so each K/V tile is loaded once for all of
+them, and at W0.5B shapes (7 query heads per KV head, head dim 64) a tile of 128 rows holds ~18
+tokens, whose causal limits differ by at most 18 keys. The loop over a block's keys runs unmasked
+up to the first row's limit and masked over the last few tiles only. On Hopper `tl.dot` with 128
+rows is a warpgroup MMA (wgmma), where PyTorch's FlashAttention-2 uses Ampere's mma.sync.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) by head dim (rounded up to a power of two): rows of
+# (token, query head) pairs and keys per tile. Measured on an H200 (bench/flex_attention.py --kernels
+# --triton-configs ...; train/NOTES.md, session 20). HYBRIDRL_VARLEN_TILES=M:N:WARPS:STAGES overrides them.
+CONFIGS = {64: (128, 64, 4, 3), 128: (64, 64, 4, 3)}
+FALLBACK_CONFIG = (64, 64, 4, 2)  # other head dims: smaller tiles, so the accumulator stays in registers
+
+
+def _config(head_dim_p2: int) -> tuple[int, int, int, int]:
+    env = os.environ.get("HYBRIDRL_VARLEN_TILES")
+    if not env:
+        return CONFIGS.get(head_dim_p2, CONFIGS[64] if head_dim_p2 < 64 else FALLBACK_CONFIG)
+    try:
+        m, n, w, st = (int(x) for x in env.split(":"))
+    except ValueError:
+        raise ValueError(f"HYBRIDRL_VARLEN_TILES={env!r}: expected four integers M:N:WARPS:STAGES, e.g. 128:64:4:3") from None
+    return m, n, w, st
+
+
+@triton.jit
+def _tile(
+    q, k_ptr, v_ptr, k0, kvh, start, Lk, limit, m_i, l_i, acc, scale_log2,
+    HKV: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax update of the block's rows with keys [start, start + BLOCK_N)."""
+    kj = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D_P)
+    off = ((k0 + kj).to(tl.int64) * HKV + kvh)[:, None] * D + d[None, :]
+    if MASKED or D != D_P:
+        ld_mask = (kj < Lk)[:, None] & (d < D)[None, :]
+        k = tl.load(k_ptr + off, mask=ld_mask, other=0.0)
+    else:
+        k = tl.load(k_ptr + off)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+    if MASKED:
+        s = tl.where(kj[None, :] <= limit[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet keeps its state
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED or D != D_P:
+        v = tl.load(v_ptr + off, mask=ld_mask, other=0.0)
+    else:
+        v = tl.load(v_ptr + off)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _varlen_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, Tq, scale_log2, NUM_BLOCKS,
+    H: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    blk = NUM_BLOCKS - 1 - tl.program_id(0)  # the longest (last) blocks of each segment first
+    seg = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q0 = tl.load(cu_q_ptr + seg)
+    k0 = tl.load(cu_k_ptr + seg)
+    Lq = tl.load(cu_q_ptr + seg + 1) - q0
+    Lk = tl.load(cu_k_ptr + seg + 1) - k0
+    if blk * BLOCK_M >= Lq * GROUP:
+        return
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    valid = tok < Lq
+    head = kvh * GROUP + rows % GROUP
+    d = tl.arange(0, D_P)
+    q_off = ((q0 + tok).to(tl.int64) * H + head)[:, None] * D + d[None, :]
+    io_mask = valid[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)
+    shift = Lk - Lq
+    limit = tl.where(valid, tok + shift, Lk - 1)  # the last key each row sees (padding rows: any)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_P], tl.float32)
+    first_tok = blk * BLOCK_M // GROUP
+    last_tok = tl.minimum((blk * BLOCK_M + BLOCK_M - 1) // GROUP, Lq - 1)
+    hi = tl.minimum(Lk, last_tok + shift + 1)  # keys past hi: seen by no row of the block
+    if DYNAMIC_LOOP:
+        full = tl.maximum(tl.minimum(first_tok + shift + 1, hi), 0) // BLOCK_N * BLOCK_N  # seen by every row
+        for start in range(0, full, BLOCK_N):
+            m_i, l_i, acc = _tile(
+                q, k_ptr, v_ptr, k0, kvh, start, Lk, limit, m_i, l_i, acc, scale_log2,
+                HKV, D, D_P, BLOCK_N, False, IEEE,
+            )  # fmt: skip
+        for start in range(full, hi, BLOCK_N):
+            m_i, l_i, acc = _tile(
+                q, k_ptr, v_ptr, k0, kvh, start, Lk, limit, m_i, l_i, acc, scale_log2,
+                HKV, D, D_P, BLOCK_N, True, IEEE,
+            )  # fmt: skip
+    else:  # Triton's CPU interpreter: a fixed loop over SPAN keys, every tile masked
+        for start in tl.static_range(0, SPAN, BLOCK_N):
+            m_i, l_i, acc = _tile(
+                q, k_ptr, v_ptr, k0, kvh, start, Lk, tl.minimum(limit, hi - 1), m_i, l_i, acc, scale_log2,
+                HKV, D, D_P, BLOCK_N, True, IEEE,
+            )  # fmt: skip
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+    tl.store(lse_ptr + head.to(tl.int64) * Tq + q0 + tok, lse, mask=valid)
+
+
+def varlen_forward(
+    q: torch.Tensor,  # [Tq, H, D]
+    k: torch.Tensor,  # [Tk, Hkv, D]
+    v: torch.Tensor,
+    cu_q: torch.Tensor,  # [S + 1] int32: segment starts in q
+    cu_k: torch.Tensor,  # [S + 1] int32: segment starts in k / v
+    max_q: int,
+    max_k: int,
+    scale: float,
+    config: tuple[int, int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+    dynamic_loop: bool | None = None,  # loops to run-time bounds (None: unless under Triton's interpreter)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out `[Tq, H, D]` in q's dtype, log-sum-exp `[H, Tq]` fp32) of causal (bottom-right)
+    attention within each segment; see the module docstring."""
+    Tq, H, D = q.shape
+    Hkv = k.shape[1]
+    if H % Hkv:
+        raise ValueError(f"{H} query heads are not a multiple of {Hkv} KV heads")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    block_m, block_n, num_warps, num_stages = config or _config(triton.next_power_of_2(D))
+    group = H // Hkv
+    out = torch.empty_like(q)
+    lse = torch.empty(H, Tq, dtype=torch.float32, device=q.device)
+    num_segments = cu_q.numel() - 1
+    if Tq == 0 or num_segments == 0:
+        return out, lse
+    num_blocks = triton.cdiv(max_q * group, block_m)
+    dynamic = os.environ.get("TRITON_INTERPRET") != "1" if dynamic_loop is None else dynamic_loop
+    _varlen_fwd_kernel[(num_blocks, num_segments, Hkv)](
+        q, k, v, out, lse, cu_q, cu_k, Tq, scale * LOG2E, num_blocks,
+        H=H, HKV=Hkv, GROUP=group, D=D, D_P=triton.next_power_of_2(D), BLOCK_M=block_m, BLOCK_N=block_n,
+        SPAN=0 if dynamic else triton.cdiv(max_k, block_n) * block_n, DYNAMIC_LOOP=dynamic,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out, lse
