@@ -5,6 +5,7 @@
     python bench/flex_attention.py --backward      # backward tiles, forward tiles fixed
     python bench/flex_attention.py --kernels       # train.packed_attention: flash, flex (our tiles), triton, fa4 (if installed)
     python bench/flex_attention.py --kernels --only flash triton --triton-configs 128:64:4:3 128:128:8:2
+    python bench/flex_attention.py --kernels --only flash triton triton_full --triton-bwd-configs 128:64:4:2,64:64:4:2
 
 The micro-batch is laid out as training lays it out (hybridrl/train/packing.py): per prompt group
 `[prompt 256 | 8 responses x 512]`, each response seeing its prompt and its own earlier tokens,
@@ -146,25 +147,23 @@ def compare_kernels(args, device) -> dict:
     def run_triton(q, k, v):
         return _flash_varlen_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], seg_t, scale)
 
-    candidates = {"flex": run_flex, "flash": run_flash, "triton": run_triton, "fa4": run_fa4}
+    seg_tf = dataclasses.replace(seg, kernel="triton_full")
+
+    def run_triton_full(q, k, v):
+        return _flash_varlen_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], seg_tf, scale)
+
+    candidates = {"flex": run_flex, "flash": run_flash, "triton": run_triton, "triton_full": run_triton_full, "fa4": run_fa4}
+    env_of = {}  # the tiles a candidate runs with, through the kernels' environment overrides
     for cfg in args.triton_configs:  # the Triton forward with other tiles (its backward is flash's)
-
-        def run_cfg(q, k, v, cfg=cfg):
-            default = os.environ.get("HYBRIDRL_VARLEN_TILES")
-            os.environ["HYBRIDRL_VARLEN_TILES"] = cfg
-            try:
-                return run_triton(q, k, v)
-            finally:
-                if default is None:
-                    del os.environ["HYBRIDRL_VARLEN_TILES"]
-                else:
-                    os.environ["HYBRIDRL_VARLEN_TILES"] = default
-
-        candidates[f"triton{cfg}"] = run_cfg
+        candidates[f"triton{cfg}"], env_of[f"triton{cfg}"] = run_triton, {"HYBRIDRL_VARLEN_TILES": cfg}
+    for cfg in args.triton_bwd_configs:  # the Triton backward with other tiles (dq, then dK / dV)
+        candidates[f"triton_full{cfg}"], env_of[f"triton_full{cfg}"] = run_triton_full, {"HYBRIDRL_VARLEN_BWD_TILES": cfg}
     results, outs, grads = {}, {}, {}
     for name, fn in candidates.items():
-        if args.only and name not in args.only and name.removeprefix("triton") not in args.triton_configs:
+        if args.only and name not in args.only and name not in env_of:
             continue
+        saved = {key: os.environ.get(key) for key in env_of.get(name, {})}
+        os.environ.update(env_of.get(name, {}))
         q, k, v = (t.detach().clone().requires_grad_() for t in (q0, k0, v0))
         try:
             with torch.no_grad():
@@ -178,6 +177,12 @@ def compare_kernels(args, device) -> dict:
         except Exception as e:  # a kernel this GPU / build does not have: report and go on
             print(f"{name:6s} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
             continue
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         results[name] = {"fwd_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3, "fwd_tflops": flops / fwd / 1e12, "fwd_bwd_tflops": 3.5 * flops / both / 1e12,
                          "fwd_host_ms": host * 1e3}  # fmt: skip
         r = results[name]
@@ -208,6 +213,8 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="compare train.packed_attention's flash and flex kernels")
     ap.add_argument("--triton-configs", nargs="*", default=[], metavar="M:N:WARPS:STAGES",
                     help="with --kernels: also time the Triton forward with these tiles (rows, keys, warps, stages)")
+    ap.add_argument("--triton-bwd-configs", nargs="*", default=[], metavar="M:N:W:S,M:N:W:S",
+                    help="with --kernels: also time triton_full with these backward tiles (dq kernel, then dK/dV kernel)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device = torch.device("cuda")

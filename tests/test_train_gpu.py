@@ -452,18 +452,62 @@ def test_triton_varlen_forward_matches_the_reference(dtype, heads, kv_heads, hea
 @gpu
 def test_triton_forward_with_flash_backward_matches_flash():
     """train.packed_attention=triton (the Triton forward, FlashAttention-2's backward fed its output
-    and log-sum-exp) against flash: the same log-probs and gradients up to bf16 rounding."""
+    and log-sum-exp) and triton_full (Triton's backward too) against flash: the same log-probs and
+    gradients up to bf16 rounding."""
     pytest.importorskip("triton")
     batch = dataclasses.replace(_batch(), packed=True)
     results = {}
-    for kernel in ("flash", "triton"):
+    for kernel in ("flash", "triton", "triton_full"):
         model = _model(torch.bfloat16).train()
         assert enable_packed_attention(model, kernel) == kernel
         lp, ent = response_logprobs(model, batch, with_entropy=True)
         grads = torch.autograd.grad(lp.sum() + ent.sum(), list(model.parameters()))
         results[kernel] = (lp.detach().float(), [g.float() for g in grads])
-    (lp_a, g_a), (lp_b, g_b) = results["flash"], results["triton"]
+    lp_a, g_a = results["flash"]
     mask = batch.response_mask.bool()
-    assert (lp_a - lp_b)[mask].abs().mean() < 2e-3
-    for x, y in zip(g_b, g_a):
-        assert (x - y).norm() <= 2e-2 * y.norm() + 1e-8
+    for kernel in ("triton", "triton_full"):
+        lp_b, g_b = results[kernel]
+        assert (lp_a - lp_b)[mask].abs().mean() < 2e-3, kernel
+        for x, y in zip(g_b, g_a):
+            assert (x - y).norm() <= 2e-2 * y.norm() + 1e-8, kernel
+
+
+@pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(14, 2, 64), (4, 4, 32), (6, 2, 24)])
+@pytest.mark.parametrize("dynamic_loop", [True, False])
+def test_triton_varlen_backward_matches_the_reference(dtype, heads, kv_heads, head_dim, dynamic_loop):
+    """The Triton varlen backward (`train.packed_attention=triton_full`) against the dense reference's
+    gradients from the same output and log-sum-exp, on the forward test's segments; on the GPU also
+    against FlashAttention-2's backward."""
+    pytest.importorskip("triton")
+    from hybridrl.train.attention import _varlen_reference_backward, _varlen_reference_forward
+    from hybridrl.train.triton_varlen import varlen_backward
+
+    device = "cuda" if CUDA else "cpu"
+    if dtype == torch.bfloat16 and not CUDA:
+        pytest.skip("Triton's interpreter runs the fp32 case")
+    if dynamic_loop and not CUDA and not _interpreter_reads_runtime_loop_bounds():
+        pytest.skip("loops to a run-time bound need numpy < 2.4 under Triton 3.6's interpreter")
+    lengths = [(40, 40), (23, 63), (1, 41), (70, 110), (5, 5)] if dtype == torch.float32 else [(256, 256), (512, 768), (77, 333), (1, 1)]
+    cu_q, cu_k, max_q, max_k = _segments(lengths)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(int(cu_q[-1]), heads, head_dim, generator=g).to(device, dtype)
+    k = torch.randn(int(cu_k[-1]), kv_heads, head_dim, generator=g).to(device, dtype)
+    v = torch.randn(int(cu_k[-1]), kv_heads, head_dim, generator=g).to(device, dtype)
+    dout = torch.randn(int(cu_q[-1]), heads, head_dim, generator=g).to(device, dtype)
+    cu_q, cu_k = cu_q.to(device), cu_k.to(device)
+    scale = head_dim**-0.5
+    out, lse = _varlen_reference_forward(q, k, v, cu_q, cu_k, scale)
+    configs = ((32, 16, 4, 1), (16, 16, 4, 1)) if not CUDA else None
+    grads = varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, configs=configs, dynamic_loop=dynamic_loop)
+    ref = _varlen_reference_backward(dout.float(), q.float(), k.float(), v.float(), out.float(), lse, cu_q, cu_k, scale)
+    for name, got, want in zip("qkv", grads, ref):
+        tol = 2e-4 * want.abs().max().item() if dtype == torch.float32 else 3e-2 * want.abs().max().item()
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=0, msg=lambda m, n=name: f"d{n}: {m}")
+    if CUDA and dtype == torch.bfloat16:
+        seed, offset = torch.empty(2, dtype=torch.uint64, device=device), torch.empty((), dtype=torch.uint64, device=device)
+        flash = torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
+        for got, want, ref_grad in zip(grads, flash, ref):
+            # no worse than FlashAttention-2's own distance from the fp32 reference, up to bf16 rounding
+            assert (got.float() - ref_grad).norm() <= 1.5 * (want.float() - ref_grad).norm() + 1e-3 * ref_grad.norm()

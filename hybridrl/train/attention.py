@@ -9,6 +9,8 @@ Two kernels serve packed rows on CUDA (`train.packed_attention`):
 - `triton`: the same segments, forward by a Triton kernel that stacks the query heads of each KV
   head into one tile's rows (triton_varlen.py), backward by PyTorch's FlashAttention-2 from that
   forward's output and log-sum-exp.
+- `triton_full`: the same Triton forward, and a Triton backward that walks each key block's rows
+  for all the query heads sharing it (dK / dV summed in the program). Not yet measured on a GPU.
 - `fa4`: the same segments through FlashAttention-4's CuTe kernels (`pip install flash-attn-4`;
   Hopper and Blackwell kernels with wgmma / tcgen05, where PyTorch's FlashAttention-2 uses mma.sync).
   Optional: asked for without the package, it is an error that says what to install.
@@ -53,8 +55,8 @@ SUPPORTED_BASES = ("sdpa", "eager", NAME)
 FLEX_KERNEL_OPTIONS = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 
 
-KERNELS = ("auto", "flash", "flex", "triton", "fa4")
-VARLEN_KERNELS = ("flash", "triton", "fa4")  # the kernels that take VarlenSegments
+KERNELS = ("auto", "flash", "flex", "triton", "triton_full", "fa4")
+VARLEN_KERNELS = ("flash", "triton", "triton_full", "fa4")  # the kernels that take VarlenSegments
 
 
 @dataclass
@@ -67,7 +69,7 @@ class VarlenSegments:
     kv_index: torch.Tensor
     max_q: int
     max_k: int
-    kernel: str = "flash"  # "flash" (PyTorch's FlashAttention-2), "triton" (triton_varlen's forward) or "fa4"
+    kernel: str = "flash"  # "flash" (PyTorch's FlashAttention-2), "triton" / "triton_full" (triton_varlen) or "fa4"
 
 
 @torch.library.custom_op("hybridrl::varlen_attention", mutates_args=())
@@ -76,7 +78,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: to
     """(out `[Tq, H, D]`, log-sum-exp `[H, Tq]` fp32): attention over variable-length segments,
     causal from the bottom right; q `[Tq, H, D]`, k / v `[Tk, Hkv, D]` (grouped-query attention when
     Hkv < H). `kernel` "flash": PyTorch's own FlashAttention-2; "triton": triton_varlen's forward
-    (FlashAttention-2's backward); "fa4": FlashAttention-4's CuTe kernels. Off CUDA the same contract runs as a dense reference (`_varlen_reference_*`): tests and
+    (FlashAttention-2's backward); "triton_full": triton_varlen's forward and backward; "fa4":
+    FlashAttention-4's CuTe kernels. Off CUDA the same contract runs as a dense reference (`_varlen_reference_*`): tests and
     CPU runs of `train.packed_attention=flash` / `fa4` go through it.
 
     A custom op rather than an autograd.Function: compiled code sees one opaque op whose output the
@@ -93,7 +96,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: to
             softmax_scale=scale, causal=True, return_lse=True,
         )  # fmt: skip
         return out, lse
-    if kernel == "triton":
+    if kernel in ("triton", "triton_full"):
         from hybridrl.train.triton_varlen import varlen_forward
 
         return varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale)
@@ -121,6 +124,10 @@ def varlen_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
             max_seqlen_q=max_q, max_seqlen_k=max_k,
         )  # fmt: skip
         return dq, dk, dv
+    if kernel == "triton_full":
+        from hybridrl.train.triton_varlen import varlen_backward
+
+        return varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale)
     # The kernel's dropout RNG state (seed, offset): without dropout it is not read, so placeholders
     # serve. (Kept from the forward in a global, they were tensors no CUDA graph could account for.)
     seed, offset = torch.empty(2, dtype=torch.uint64, device=q.device), torch.empty((), dtype=torch.uint64, device=q.device)
@@ -287,14 +294,14 @@ def enable_packed_attention(model: torch.nn.Module, kernel: str = "auto") -> str
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     can_flash = flash_available(param.device, param.dtype, head_dim)
-    if kernel in ("flash", "triton") and not can_flash and param.device.type == "cuda":
+    if kernel in ("flash", "triton", "triton_full") and not can_flash and param.device.type == "cuda":
         raise ValueError(
             f"train.packed_attention={kernel} needs PyTorch's FlashAttention kernel (sm80+ GPU, bf16/fp16, head dim <= 256); "
             f"this model is {param.dtype} with head dim {head_dim} on {torch.cuda.get_device_name(param.device)}: "
             "set train.packed_attention=flex (or auto)"
         )
-    if kernel == "triton" and param.device.type == "cuda" and importlib.util.find_spec("triton") is None:
-        raise ValueError("train.packed_attention=triton needs the triton package: install it, or set train.packed_attention=flash (or auto)")
+    if kernel in ("triton", "triton_full") and param.device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise ValueError(f"train.packed_attention={kernel} needs the triton package: install it, or set train.packed_attention=flash (or auto)")
     if kernel == "fa4" and not fa4_available(param.device, param.dtype, head_dim) and param.device.type == "cuda":
         raise ValueError(
             f"train.packed_attention=fa4 needs FlashAttention-4 (pip install flash-attn-4), a Hopper or Blackwell GPU "

@@ -174,3 +174,258 @@ def varlen_forward(
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out, lse
+
+
+# The backward: (dq kernel, dK/dV kernel) tiles, (BLOCK_M, BLOCK_N, num_warps, num_stages) each. In the
+# dK/dV kernel a program holds BLOCK_N keys and walks BLOCK_M (token, query head) rows at a time, so
+# the gradients of the GROUP query heads that share a key add up in its accumulators (no per-head
+# dK / dV to fold afterwards). Not yet tuned on a GPU; HYBRIDRL_VARLEN_BWD_TILES=M:N:W:S,M:N:W:S
+# (dq, then dK/dV) overrides them.
+BWD_CONFIGS = ((128, 64, 4, 2), (64, 64, 4, 2))
+
+
+def _bwd_configs() -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+    env = os.environ.get("HYBRIDRL_VARLEN_BWD_TILES")
+    if not env:
+        return BWD_CONFIGS
+    try:
+        dq, dkdv = (tuple(int(x) for x in part.split(":")) for part in env.split(","))
+        assert len(dq) == len(dkdv) == 4
+    except (ValueError, AssertionError):
+        raise ValueError(f"HYBRIDRL_VARLEN_BWD_TILES={env!r}: expected M:N:WARPS:STAGES,M:N:WARPS:STAGES (dq, then dK/dV)") from None
+    return dq, dkdv
+
+
+@triton.jit
+def _delta_kernel(out_ptr, do_ptr, delta_ptr, Tq, N_ROWS, H: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, BLOCK: tl.constexpr):
+    """delta[h, t] = sum_d out[t, h, d] * dout[t, h, d] in fp32: the softmax backward's row term."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # flat t * H + h
+    d = tl.arange(0, D_P)
+    r_mask = rows < N_ROWS
+    mask = r_mask[:, None] & (d < D)[None, :]
+    off = rows.to(tl.int64)[:, None] * D + d[None, :]
+    o = tl.load(out_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(delta_ptr + (rows % H).to(tl.int64) * Tq + rows // H, tl.sum(o * do, axis=1), mask=r_mask)
+
+
+@triton.jit
+def _row_terms(lse_ptr, delta_ptr, head, q0, tok, valid, Tq):
+    """A block's rows' log-sum-exp in log2 units (+inf for a row that saw no key, so its p is 0)
+    and delta, 0 for padding rows."""
+    idx = head.to(tl.int64) * Tq + q0 + tok
+    lse = tl.load(lse_ptr + idx, mask=valid, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    return lse2, tl.load(delta_ptr + idx, mask=valid, other=0.0)
+
+
+@triton.jit
+def _dq_tile(
+    q, do, lse2, delta, k_ptr, v_ptr, k0, kvh, start, Lk, limit, dq, scale_log2,
+    HKV: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """dq of the block's rows from keys [start, start + BLOCK_N): dq += (p * (dp - delta)) @ K."""
+    kj = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D_P)
+    off = ((k0 + kj).to(tl.int64) * HKV + kvh)[:, None] * D + d[None, :]
+    ld_mask = (kj < Lk)[:, None] & (d < D)[None, :]
+    k = tl.load(k_ptr + off, mask=ld_mask, other=0.0)
+    v = tl.load(v_ptr + off, mask=ld_mask, other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        dp = tl.dot(do, tl.trans(v))
+    p = tl.exp2(s - lse2[:, None])
+    if MASKED:
+        p = tl.where(kj[None, :] <= limit[:, None], p, 0.0)
+    ds = p * (dp - delta[:, None])
+    if IEEE:
+        dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
+    else:
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
+def _varlen_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, cu_k_ptr, Tq, scale_log2, scale, NUM_BLOCKS,
+    H: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """dq for one block of (token, query head) rows: the forward's walk over the keys."""
+    blk = NUM_BLOCKS - 1 - tl.program_id(0)
+    seg = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q0 = tl.load(cu_q_ptr + seg)
+    k0 = tl.load(cu_k_ptr + seg)
+    Lq = tl.load(cu_q_ptr + seg + 1) - q0
+    Lk = tl.load(cu_k_ptr + seg + 1) - k0
+    if blk * BLOCK_M >= Lq * GROUP:
+        return
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    valid = tok < Lq
+    head = kvh * GROUP + rows % GROUP
+    d = tl.arange(0, D_P)
+    q_off = ((q0 + tok).to(tl.int64) * H + head)[:, None] * D + d[None, :]
+    io_mask = valid[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)
+    do = tl.load(do_ptr + q_off, mask=io_mask, other=0.0)
+    lse2, delta = _row_terms(lse_ptr, delta_ptr, head, q0, tok, valid, Tq)
+    shift = Lk - Lq
+    limit = tl.where(valid, tok + shift, -1)  # padding rows: no key
+    dq = tl.zeros([BLOCK_M, D_P], tl.float32)
+    first_tok = blk * BLOCK_M // GROUP
+    last_tok = tl.minimum((blk * BLOCK_M + BLOCK_M - 1) // GROUP, Lq - 1)
+    hi = tl.minimum(Lk, last_tok + shift + 1)
+    if DYNAMIC_LOOP:
+        full = tl.maximum(tl.minimum(first_tok + shift + 1, hi), 0) // BLOCK_N * BLOCK_N
+        for start in range(0, full, BLOCK_N):
+            dq = _dq_tile(q, do, lse2, delta, k_ptr, v_ptr, k0, kvh, start, Lk, limit, dq, scale_log2, HKV, D, D_P, BLOCK_N, False, IEEE)
+        for start in range(full, hi, BLOCK_N):
+            dq = _dq_tile(q, do, lse2, delta, k_ptr, v_ptr, k0, kvh, start, Lk, limit, dq, scale_log2, HKV, D, D_P, BLOCK_N, True, IEEE)
+    else:
+        for start in tl.static_range(0, SPAN, BLOCK_N):
+            dq = _dq_tile(q, do, lse2, delta, k_ptr, v_ptr, k0, kvh, start, Lk, limit, dq, scale_log2, HKV, D, D_P, BLOCK_N, True, IEEE)
+    tl.store(dq_ptr + q_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _dkdv_tile(
+    k, v, dk, dv, kj, q_ptr, do_ptr, lse_ptr, delta_ptr, q0, kvh, rs, Lq, Tq, shift, scale_log2,
+    H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """The block's keys' dK / dV from rows [rs, rs + BLOCK_M): dV += p^T dout, dK += (p * (dp - delta))^T q."""
+    rows = rs + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    valid = tok < Lq
+    head = kvh * GROUP + rows % GROUP
+    d = tl.arange(0, D_P)
+    q_off = ((q0 + tok).to(tl.int64) * H + head)[:, None] * D + d[None, :]
+    io_mask = valid[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)
+    do = tl.load(do_ptr + q_off, mask=io_mask, other=0.0)
+    lse2, delta = _row_terms(lse_ptr, delta_ptr, head, q0, tok, valid, Tq)
+    if IEEE:
+        s_t = tl.dot(k, tl.trans(q), input_precision="ieee") * scale_log2  # [BLOCK_N, BLOCK_M]
+        dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
+    else:
+        s_t = tl.dot(k, tl.trans(q)) * scale_log2
+        dp_t = tl.dot(v, tl.trans(do))
+    p_t = tl.exp2(s_t - lse2[None, :])
+    if MASKED:  # a padding row (q = dout = 0, lse = delta = 0) adds nothing unmasked either
+        p_t = tl.where((kj[:, None] <= (tok + shift)[None, :]) & valid[None, :], p_t, 0.0)
+    ds_t = p_t * (dp_t - delta[None, :])
+    if IEEE:
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision="ieee")
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision="ieee")
+    else:
+        dv += tl.dot(p_t.to(do.dtype), do)
+        dk += tl.dot(ds_t.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit
+def _varlen_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, Tq, scale_log2, scale,
+    NUM_BLOCKS, H: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN_Q: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """dK and dV for BLOCK_N keys of one segment and KV head, over every row that sees them."""
+    blk = tl.program_id(0)
+    seg = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q0 = tl.load(cu_q_ptr + seg)
+    k0 = tl.load(cu_k_ptr + seg)
+    Lq = tl.load(cu_q_ptr + seg + 1) - q0
+    Lk = tl.load(cu_k_ptr + seg + 1) - k0
+    if blk * BLOCK_N >= Lk:
+        return
+    kj = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D_P)
+    off = ((k0 + kj).to(tl.int64) * HKV + kvh)[:, None] * D + d[None, :]
+    kv_mask = (kj < Lk)[:, None] & (d < D)[None, :]
+    k = tl.load(k_ptr + off, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + off, mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, D_P], tl.float32)
+    dv = tl.zeros([BLOCK_N, D_P], tl.float32)
+    shift = Lk - Lq
+    j_last = tl.minimum(blk * BLOCK_N + BLOCK_N, Lk) - 1
+    t_first = tl.maximum(blk * BLOCK_N - shift, 0)  # the first token that sees a key of the block
+    t_full = tl.maximum(tl.minimum(j_last - shift, Lq), t_first)  # from here every key is seen
+    r0 = t_first * GROUP
+    r_end = Lq * GROUP
+    if DYNAMIC_LOOP:
+        r_mid = r0 + (t_full * GROUP - r0 + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        for rs in range(r0, r_mid, BLOCK_M):
+            dk, dv = _dkdv_tile(
+                k, v, dk, dv, kj, q_ptr, do_ptr, lse_ptr, delta_ptr, q0, kvh, rs, Lq, Tq, shift, scale_log2,
+                H, GROUP, D, D_P, BLOCK_M, True, IEEE,
+            )  # fmt: skip
+        for rs in range(r_mid, r_end, BLOCK_M):
+            dk, dv = _dkdv_tile(
+                k, v, dk, dv, kj, q_ptr, do_ptr, lse_ptr, delta_ptr, q0, kvh, rs, Lq, Tq, shift, scale_log2,
+                H, GROUP, D, D_P, BLOCK_M, False, IEEE,
+            )  # fmt: skip
+    else:  # Triton's CPU interpreter: every row of the segment, every tile masked
+        for rs in tl.static_range(0, SPAN_Q, BLOCK_M):
+            dk, dv = _dkdv_tile(
+                k, v, dk, dv, kj, q_ptr, do_ptr, lse_ptr, delta_ptr, q0, kvh, rs, Lq, Tq, shift, scale_log2,
+                H, GROUP, D, D_P, BLOCK_M, True, IEEE,
+            )  # fmt: skip
+    tl.store(dk_ptr + off, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptr + off, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+def varlen_backward(
+    dout: torch.Tensor,  # [Tq, H, D]
+    q: torch.Tensor,
+    k: torch.Tensor,  # [Tk, Hkv, D]
+    v: torch.Tensor,
+    out: torch.Tensor,  # varlen_forward's (or FlashAttention-2's) output
+    lse: torch.Tensor,  # [H, Tq] fp32, natural log
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float,
+    configs: tuple[tuple[int, int, int, int], tuple[int, int, int, int]] | None = None,  # (dq, dK/dV) tiles
+    dynamic_loop: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `varlen_forward`, from its output and log-sum-exp (as FlashAttention-2's
+    backward takes them): a delta pass, then one kernel for dq and one for dK / dV."""
+    Tq, H, D = q.shape
+    Hkv = k.shape[1]
+    dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
+    (bm_q, bn_q, w_q, s_q), (bm_k, bn_k, w_k, s_k) = configs or _bwd_configs()
+    group = H // Hkv
+    d_p = triton.next_power_of_2(D)
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)  # keys no segment covers: 0
+    num_segments = cu_q.numel() - 1
+    if Tq == 0 or num_segments == 0:
+        return dq, dk, dv
+    delta = torch.empty(H, Tq, dtype=torch.float32, device=q.device)
+    _delta_kernel[(triton.cdiv(Tq * H, 64),)](out, dout, delta, Tq, Tq * H, H=H, D=D, D_P=d_p, BLOCK=64)
+    dynamic = os.environ.get("TRITON_INTERPRET") != "1" if dynamic_loop is None else dynamic_loop
+    ieee = q.dtype == torch.float32
+    blocks_q = triton.cdiv(max_q * group, bm_q)
+    _varlen_dq_kernel[(blocks_q, num_segments, Hkv)](
+        q, k, v, dout, lse, delta, dq, cu_q, cu_k, Tq, scale * LOG2E, scale, blocks_q,
+        H=H, HKV=Hkv, GROUP=group, D=D, D_P=d_p, BLOCK_M=bm_q, BLOCK_N=bn_q,
+        SPAN=0 if dynamic else triton.cdiv(max_k, bn_q) * bn_q, DYNAMIC_LOOP=dynamic, IEEE=ieee,
+        num_warps=w_q, num_stages=s_q,
+    )  # fmt: skip
+    blocks_k = triton.cdiv(max_k, bn_k)
+    _varlen_dkdv_kernel[(blocks_k, num_segments, Hkv)](
+        q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, Tq, scale * LOG2E, scale, blocks_k,
+        H=H, HKV=Hkv, GROUP=group, D=D, D_P=d_p, BLOCK_M=bm_k, BLOCK_N=bn_k,
+        SPAN_Q=0 if dynamic else triton.cdiv(max_q * group, bm_k) * bm_k, DYNAMIC_LOOP=dynamic, IEEE=ieee,
+        num_warps=w_k, num_stages=s_k,
+    )  # fmt: skip
+    return dq, dk, dv
