@@ -410,33 +410,40 @@ def _segments(lengths):
     return cu_q, cu_k, max(q for q, _ in lengths), max(k for _, k in lengths)
 
 
+def _varlen_case(dtype, heads, kv_heads, head_dim, dynamic_loop, seed):
+    """A varlen kernel test's inputs, or a skip where it cannot run: q, k, v, dout, cu_q, cu_k,
+    max_q, max_k, scale. fp32 (the interpreter's case): prompt segments (as many keys as queries),
+    response segments (their prompt's keys in front), a segment shorter than a tile, a one-token
+    segment; bf16 (GPU only): W0.5B-sized segments, whose row blocks span tiles of keys both
+    unmasked and masked."""
+    pytest.importorskip("triton")
+    if dtype == torch.bfloat16 and not CUDA:
+        pytest.skip("Triton's interpreter runs the fp32 case")
+    if dynamic_loop and not CUDA and not _interpreter_reads_runtime_loop_bounds():
+        pytest.skip("loops to a run-time bound need numpy < 2.4 under Triton 3.6's interpreter")
+    device = "cuda" if CUDA else "cpu"
+    lengths = [(40, 40), (23, 63), (1, 41), (70, 110), (5, 5)] if dtype == torch.float32 else [(256, 256), (512, 768), (77, 333), (1, 1)]
+    cu_q, cu_k, max_q, max_k = _segments(lengths)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(int(cu_q[-1]), heads, head_dim, generator=g).to(device, dtype)
+    k = torch.randn(int(cu_k[-1]), kv_heads, head_dim, generator=g).to(device, dtype)
+    v = torch.randn(int(cu_k[-1]), kv_heads, head_dim, generator=g).to(device, dtype)
+    dout = torch.randn(int(cu_q[-1]), heads, head_dim, generator=g).to(device, dtype)
+    return q, k, v, dout, cu_q.to(device), cu_k.to(device), max_q, max_k, head_dim**-0.5
+
+
 @pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(14, 2, 64), (4, 4, 32), (6, 2, 24)])
 @pytest.mark.parametrize("dynamic_loop", [True, False])
 def test_triton_varlen_forward_matches_the_reference(dtype, heads, kv_heads, head_dim, dynamic_loop):
     """The Triton varlen forward (`train.packed_attention=triton`) against the dense reference of
-    the kernel contract: output and log-sum-exp, for prompt segments (as many keys as queries),
-    response segments (their prompt's keys in front), a segment shorter than a tile, a one-token
-    segment, a head dim that is not a power of two, and (bf16) a block whose rows span tiles of keys
-    both unmasked and masked."""
-    pytest.importorskip("triton")
+    the kernel contract: output and log-sum-exp, on `_varlen_case`'s segments, with GQA and with a
+    head dim that is not a power of two."""
+    q, k, v, _, cu_q, cu_k, max_q, max_k, scale = _varlen_case(dtype, heads, kv_heads, head_dim, dynamic_loop, seed=0)
     from hybridrl.train.attention import _varlen_reference_forward
     from hybridrl.train.triton_varlen import varlen_forward
 
-    device = "cuda" if CUDA else "cpu"
-    if dtype == torch.bfloat16 and not CUDA:
-        pytest.skip("Triton's interpreter runs the fp32 case")
-    if dynamic_loop and not CUDA and not _interpreter_reads_runtime_loop_bounds():
-        pytest.skip("loops to a run-time bound need numpy < 2.4 under Triton 3.6's interpreter")
-    lengths = [(40, 40), (23, 63), (1, 41), (70, 110), (5, 5)] if dtype == torch.float32 else [(256, 256), (512, 768), (77, 333), (1, 1)]
-    cu_q, cu_k, max_q, max_k = _segments(lengths)
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(int(cu_q[-1]), heads, head_dim, generator=g).to(device, dtype)
-    k = torch.randn(int(cu_k[-1]), kv_heads, head_dim, generator=g).to(device, dtype)
-    v = torch.randn(int(cu_k[-1]), kv_heads, head_dim, generator=g).to(device, dtype)
-    cu_q, cu_k = cu_q.to(device), cu_k.to(device)
-    scale = head_dim**-0.5
     config = (32, 16, 4, 1) if not CUDA else None  # small tiles: several blocks and key tiles per segment
     out, lse = varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, config=config, dynamic_loop=dynamic_loop)
     ref_out, ref_lse = _varlen_reference_forward(q.float(), k.float(), v.float(), cu_q, cu_k, scale)
@@ -480,24 +487,10 @@ def test_triton_varlen_backward_matches_the_reference(dtype, heads, kv_heads, he
     """The Triton varlen backward (`train.packed_attention=triton_full`) against the dense reference's
     gradients from the same output and log-sum-exp, on the forward test's segments; on the GPU also
     against FlashAttention-2's backward."""
-    pytest.importorskip("triton")
+    q, k, v, dout, cu_q, cu_k, max_q, max_k, scale = _varlen_case(dtype, heads, kv_heads, head_dim, dynamic_loop, seed=1)
     from hybridrl.train.attention import _varlen_reference_backward, _varlen_reference_forward
     from hybridrl.train.triton_varlen import varlen_backward
 
-    device = "cuda" if CUDA else "cpu"
-    if dtype == torch.bfloat16 and not CUDA:
-        pytest.skip("Triton's interpreter runs the fp32 case")
-    if dynamic_loop and not CUDA and not _interpreter_reads_runtime_loop_bounds():
-        pytest.skip("loops to a run-time bound need numpy < 2.4 under Triton 3.6's interpreter")
-    lengths = [(40, 40), (23, 63), (1, 41), (70, 110), (5, 5)] if dtype == torch.float32 else [(256, 256), (512, 768), (77, 333), (1, 1)]
-    cu_q, cu_k, max_q, max_k = _segments(lengths)
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(int(cu_q[-1]), heads, head_dim, generator=g).to(device, dtype)
-    k = torch.randn(int(cu_k[-1]), kv_heads, head_dim, generator=g).to(device, dtype)
-    v = torch.randn(int(cu_k[-1]), kv_heads, head_dim, generator=g).to(device, dtype)
-    dout = torch.randn(int(cu_q[-1]), heads, head_dim, generator=g).to(device, dtype)
-    cu_q, cu_k = cu_q.to(device), cu_k.to(device)
-    scale = head_dim**-0.5
     out, lse = _varlen_reference_forward(q, k, v, cu_q, cu_k, scale)
     configs = ((32, 16, 4, 1), (16, 16, 4, 1)) if not CUDA else None
     grads = varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, configs=configs, dynamic_loop=dynamic_loop)
@@ -506,7 +499,7 @@ def test_triton_varlen_backward_matches_the_reference(dtype, heads, kv_heads, he
         tol = 2e-4 * want.abs().max().item() if dtype == torch.float32 else 3e-2 * want.abs().max().item()
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=0, msg=lambda m, n=name: f"d{n}: {m}")
     if CUDA and dtype == torch.bfloat16:
-        seed, offset = torch.empty(2, dtype=torch.uint64, device=device), torch.empty((), dtype=torch.uint64, device=device)
+        seed, offset = torch.empty(2, dtype=torch.uint64, device=q.device), torch.empty((), dtype=torch.uint64, device=q.device)
         flash = torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
         for got, want, ref_grad in zip(grads, flash, ref):
             # no worse than FlashAttention-2's own distance from the fp32 reference, up to bf16 rounding

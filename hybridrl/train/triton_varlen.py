@@ -33,15 +33,85 @@ CONFIGS = {64: (128, 64, 4, 3), 128: (64, 64, 4, 3)}
 FALLBACK_CONFIG = (64, 64, 4, 2)  # other head dims: smaller tiles, so the accumulator stays in registers
 
 
-def _config(head_dim_p2: int) -> tuple[int, int, int, int]:
-    env = os.environ.get("HYBRIDRL_VARLEN_TILES")
+def _tiles_from_env(name: str, kernels: int) -> tuple[tuple[int, int, int, int], ...] | None:
+    """The tile override in environment variable `name`: `kernels` comma-separated M:N:WARPS:STAGES
+    groups of four integers, or None when the variable is unset or empty."""
+    env = os.environ.get(name)
     if not env:
-        return CONFIGS.get(head_dim_p2, CONFIGS[64] if head_dim_p2 < 64 else FALLBACK_CONFIG)
+        return None
+    parts = [part.split(":") for part in env.split(",")]
     try:
-        m, n, w, st = (int(x) for x in env.split(":"))
+        tiles = tuple(tuple(int(x) for x in part) for part in parts)
     except ValueError:
-        raise ValueError(f"HYBRIDRL_VARLEN_TILES={env!r}: expected four integers M:N:WARPS:STAGES, e.g. 128:64:4:3") from None
-    return m, n, w, st
+        tiles = ()
+    if len(tiles) != kernels or any(len(t) != 4 for t in tiles):
+        example = ",".join(["M:N:WARPS:STAGES"] * kernels)
+        raise ValueError(f"{name}={env!r}: expected {example}, four integers for each of {kernels} kernel(s)")
+    return tiles
+
+
+def _config(head_dim_p2: int) -> tuple[int, int, int, int]:
+    tiles = _tiles_from_env("HYBRIDRL_VARLEN_TILES", 1)
+    if tiles is None:
+        return CONFIGS.get(head_dim_p2, CONFIGS[64] if head_dim_p2 < 64 else FALLBACK_CONFIG)
+    return tiles[0]
+
+
+def _dynamic(dynamic_loop: bool | None) -> bool:
+    """Whether the kernels loop to run-time bounds: by default, unless under Triton's interpreter."""
+    return os.environ.get("TRITON_INTERPRET") != "1" if dynamic_loop is None else dynamic_loop
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b, in full fp32 precision for fp32 operands (IEEE), else the tensor cores' default."""
+    if IEEE:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def _segment(cu_q_ptr, cu_k_ptr, seg):
+    """(q0, k0, Lq, Lk): where segment `seg`'s queries and keys start, and how many of each."""
+    q0 = tl.load(cu_q_ptr + seg)
+    k0 = tl.load(cu_k_ptr + seg)
+    return q0, k0, tl.load(cu_q_ptr + seg + 1) - q0, tl.load(cu_k_ptr + seg + 1) - k0
+
+
+@triton.jit
+def _rows(rs, q0, Lq, kvh, H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The (token, query head) rows [rs, rs + BLOCK_M) of KV head `kvh` in a segment: each row's
+    token and query head, whether it is a real token, and its offsets and load mask in `[Tq, H, D]`."""
+    rows = rs + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    valid = tok < Lq
+    head = kvh * GROUP + rows % GROUP
+    d = tl.arange(0, D_P)
+    q_off = ((q0 + tok).to(tl.int64) * H + head)[:, None] * D + d[None, :]
+    return tok, valid, head, q_off, valid[:, None] & (d < D)[None, :]
+
+
+@triton.jit
+def _keys(k0, kvh, start, Lk, HKV: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [start, start + BLOCK_N) of KV head `kvh` in a segment: their indices, and their offsets
+    and load mask in `[Tk, Hkv, D]`."""
+    kj = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D_P)
+    off = ((k0 + kj).to(tl.int64) * HKV + kvh)[:, None] * D + d[None, :]
+    return kj, off, (kj < Lk)[:, None] & (d < D)[None, :]
+
+
+@triton.jit
+def _key_range(blk, Lq, Lk, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(full, hi) for row block `blk`: every row sees keys [0, full) (whole BLOCK_N tiles), no row
+    sees a key past hi."""
+    shift = Lk - Lq
+    first_tok = blk * BLOCK_M // GROUP
+    last_tok = tl.minimum((blk * BLOCK_M + BLOCK_M - 1) // GROUP, Lq - 1)
+    hi = tl.minimum(Lk, last_tok + shift + 1)
+    return tl.maximum(tl.minimum(first_tok + shift + 1, hi), 0) // BLOCK_N * BLOCK_N, hi
 
 
 @triton.jit
@@ -51,18 +121,12 @@ def _tile(
     MASKED: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax update of the block's rows with keys [start, start + BLOCK_N)."""
-    kj = start + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, D_P)
-    off = ((k0 + kj).to(tl.int64) * HKV + kvh)[:, None] * D + d[None, :]
+    kj, off, ld_mask = _keys(k0, kvh, start, Lk, HKV, D, D_P, BLOCK_N)
     if MASKED or D != D_P:
-        ld_mask = (kj < Lk)[:, None] & (d < D)[None, :]
         k = tl.load(k_ptr + off, mask=ld_mask, other=0.0)
     else:
         k = tl.load(k_ptr + off)
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
-    else:
-        s = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
+    s = _dot(q, tl.trans(k), IEEE) * scale_log2  # [BLOCK_M, BLOCK_N], log2 units
     if MASKED:
         s = tl.where(kj[None, :] <= limit[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -74,10 +138,7 @@ def _tile(
         v = tl.load(v_ptr + off, mask=ld_mask, other=0.0)
     else:
         v = tl.load(v_ptr + off)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
     return m_new, l_i, acc
 
 
@@ -91,31 +152,18 @@ def _varlen_fwd_kernel(
     blk = NUM_BLOCKS - 1 - tl.program_id(0)  # the longest (last) blocks of each segment first
     seg = tl.program_id(1)
     kvh = tl.program_id(2)
-    q0 = tl.load(cu_q_ptr + seg)
-    k0 = tl.load(cu_k_ptr + seg)
-    Lq = tl.load(cu_q_ptr + seg + 1) - q0
-    Lk = tl.load(cu_k_ptr + seg + 1) - k0
+    q0, k0, Lq, Lk = _segment(cu_q_ptr, cu_k_ptr, seg)
     if blk * BLOCK_M >= Lq * GROUP:
         return
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    tok = rows // GROUP
-    valid = tok < Lq
-    head = kvh * GROUP + rows % GROUP
-    d = tl.arange(0, D_P)
-    q_off = ((q0 + tok).to(tl.int64) * H + head)[:, None] * D + d[None, :]
-    io_mask = valid[:, None] & (d < D)[None, :]
+    tok, valid, head, q_off, io_mask = _rows(blk * BLOCK_M, q0, Lq, kvh, H, GROUP, D, D_P, BLOCK_M)
     q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)
-    shift = Lk - Lq
-    limit = tl.where(valid, tok + shift, Lk - 1)  # the last key each row sees (padding rows: any)
+    limit = tl.where(valid, tok + Lk - Lq, Lk - 1)  # the last key each row sees (padding rows: any)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_P], tl.float32)
-    first_tok = blk * BLOCK_M // GROUP
-    last_tok = tl.minimum((blk * BLOCK_M + BLOCK_M - 1) // GROUP, Lq - 1)
-    hi = tl.minimum(Lk, last_tok + shift + 1)  # keys past hi: seen by no row of the block
+    full, hi = _key_range(blk, Lq, Lk, GROUP, BLOCK_M, BLOCK_N)
     if DYNAMIC_LOOP:
-        full = tl.maximum(tl.minimum(first_tok + shift + 1, hi), 0) // BLOCK_N * BLOCK_N  # seen by every row
         for start in range(0, full, BLOCK_N):
             m_i, l_i, acc = _tile(
                 q, k_ptr, v_ptr, k0, kvh, start, Lk, limit, m_i, l_i, acc, scale_log2,
@@ -166,7 +214,7 @@ def varlen_forward(
     if Tq == 0 or num_segments == 0:
         return out, lse
     num_blocks = triton.cdiv(max_q * group, block_m)
-    dynamic = os.environ.get("TRITON_INTERPRET") != "1" if dynamic_loop is None else dynamic_loop
+    dynamic = _dynamic(dynamic_loop)
     _varlen_fwd_kernel[(num_blocks, num_segments, Hkv)](
         q, k, v, out, lse, cu_q, cu_k, Tq, scale * LOG2E, num_blocks,
         H=H, HKV=Hkv, GROUP=group, D=D, D_P=triton.next_power_of_2(D), BLOCK_M=block_m, BLOCK_N=block_n,
@@ -185,15 +233,7 @@ BWD_CONFIGS = ((128, 64, 4, 2), (64, 64, 4, 2))
 
 
 def _bwd_configs() -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
-    env = os.environ.get("HYBRIDRL_VARLEN_BWD_TILES")
-    if not env:
-        return BWD_CONFIGS
-    try:
-        dq, dkdv = (tuple(int(x) for x in part.split(":")) for part in env.split(","))
-        assert len(dq) == len(dkdv) == 4
-    except (ValueError, AssertionError):
-        raise ValueError(f"HYBRIDRL_VARLEN_BWD_TILES={env!r}: expected M:N:WARPS:STAGES,M:N:WARPS:STAGES (dq, then dK/dV)") from None
-    return dq, dkdv
+    return _tiles_from_env("HYBRIDRL_VARLEN_BWD_TILES", 2) or BWD_CONFIGS  # (dq, then dK/dV)
 
 
 @triton.jit
@@ -226,26 +266,16 @@ def _dq_tile(
     MASKED: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """dq of the block's rows from keys [start, start + BLOCK_N): dq += (p * (dp - delta)) @ K."""
-    kj = start + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, D_P)
-    off = ((k0 + kj).to(tl.int64) * HKV + kvh)[:, None] * D + d[None, :]
-    ld_mask = (kj < Lk)[:, None] & (d < D)[None, :]
+    kj, off, ld_mask = _keys(k0, kvh, start, Lk, HKV, D, D_P, BLOCK_N)
     k = tl.load(k_ptr + off, mask=ld_mask, other=0.0)
     v = tl.load(v_ptr + off, mask=ld_mask, other=0.0)
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
-        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        dp = tl.dot(do, tl.trans(v))
+    s = _dot(q, tl.trans(k), IEEE) * scale_log2
+    dp = _dot(do, tl.trans(v), IEEE)
     p = tl.exp2(s - lse2[:, None])
     if MASKED:
         p = tl.where(kj[None, :] <= limit[:, None], p, 0.0)
     ds = p * (dp - delta[:, None])
-    if IEEE:
-        dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
-    else:
-        dq += tl.dot(ds.to(k.dtype), k)
+    dq += _dot(ds.to(k.dtype), k, IEEE)
     return dq
 
 
@@ -260,30 +290,17 @@ def _varlen_dq_kernel(
     blk = NUM_BLOCKS - 1 - tl.program_id(0)
     seg = tl.program_id(1)
     kvh = tl.program_id(2)
-    q0 = tl.load(cu_q_ptr + seg)
-    k0 = tl.load(cu_k_ptr + seg)
-    Lq = tl.load(cu_q_ptr + seg + 1) - q0
-    Lk = tl.load(cu_k_ptr + seg + 1) - k0
+    q0, k0, Lq, Lk = _segment(cu_q_ptr, cu_k_ptr, seg)
     if blk * BLOCK_M >= Lq * GROUP:
         return
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    tok = rows // GROUP
-    valid = tok < Lq
-    head = kvh * GROUP + rows % GROUP
-    d = tl.arange(0, D_P)
-    q_off = ((q0 + tok).to(tl.int64) * H + head)[:, None] * D + d[None, :]
-    io_mask = valid[:, None] & (d < D)[None, :]
+    tok, valid, head, q_off, io_mask = _rows(blk * BLOCK_M, q0, Lq, kvh, H, GROUP, D, D_P, BLOCK_M)
     q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)
     do = tl.load(do_ptr + q_off, mask=io_mask, other=0.0)
     lse2, delta = _row_terms(lse_ptr, delta_ptr, head, q0, tok, valid, Tq)
-    shift = Lk - Lq
-    limit = tl.where(valid, tok + shift, -1)  # padding rows: no key
+    limit = tl.where(valid, tok + Lk - Lq, -1)  # padding rows: no key
     dq = tl.zeros([BLOCK_M, D_P], tl.float32)
-    first_tok = blk * BLOCK_M // GROUP
-    last_tok = tl.minimum((blk * BLOCK_M + BLOCK_M - 1) // GROUP, Lq - 1)
-    hi = tl.minimum(Lk, last_tok + shift + 1)
+    full, hi = _key_range(blk, Lq, Lk, GROUP, BLOCK_M, BLOCK_N)
     if DYNAMIC_LOOP:
-        full = tl.maximum(tl.minimum(first_tok + shift + 1, hi), 0) // BLOCK_N * BLOCK_N
         for start in range(0, full, BLOCK_N):
             dq = _dq_tile(q, do, lse2, delta, k_ptr, v_ptr, k0, kvh, start, Lk, limit, dq, scale_log2, HKV, D, D_P, BLOCK_N, False, IEEE)
         for start in range(full, hi, BLOCK_N):
@@ -301,32 +318,18 @@ def _dkdv_tile(
     MASKED: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """The block's keys' dK / dV from rows [rs, rs + BLOCK_M): dV += p^T dout, dK += (p * (dp - delta))^T q."""
-    rows = rs + tl.arange(0, BLOCK_M)
-    tok = rows // GROUP
-    valid = tok < Lq
-    head = kvh * GROUP + rows % GROUP
-    d = tl.arange(0, D_P)
-    q_off = ((q0 + tok).to(tl.int64) * H + head)[:, None] * D + d[None, :]
-    io_mask = valid[:, None] & (d < D)[None, :]
+    tok, valid, head, q_off, io_mask = _rows(rs, q0, Lq, kvh, H, GROUP, D, D_P, BLOCK_M)
     q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)
     do = tl.load(do_ptr + q_off, mask=io_mask, other=0.0)
     lse2, delta = _row_terms(lse_ptr, delta_ptr, head, q0, tok, valid, Tq)
-    if IEEE:
-        s_t = tl.dot(k, tl.trans(q), input_precision="ieee") * scale_log2  # [BLOCK_N, BLOCK_M]
-        dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
-    else:
-        s_t = tl.dot(k, tl.trans(q)) * scale_log2
-        dp_t = tl.dot(v, tl.trans(do))
+    s_t = _dot(k, tl.trans(q), IEEE) * scale_log2  # [BLOCK_N, BLOCK_M]
+    dp_t = _dot(v, tl.trans(do), IEEE)
     p_t = tl.exp2(s_t - lse2[None, :])
     if MASKED:  # a padding row (q = dout = 0, lse = delta = 0) adds nothing unmasked either
         p_t = tl.where((kj[:, None] <= (tok + shift)[None, :]) & valid[None, :], p_t, 0.0)
     ds_t = p_t * (dp_t - delta[None, :])
-    if IEEE:
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision="ieee")
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision="ieee")
-    else:
-        dv += tl.dot(p_t.to(do.dtype), do)
-        dk += tl.dot(ds_t.to(q.dtype), q)
+    dv += _dot(p_t.to(do.dtype), do, IEEE)
+    dk += _dot(ds_t.to(q.dtype), q, IEEE)
     return dk, dv
 
 
@@ -341,16 +344,10 @@ def _varlen_dkdv_kernel(
     blk = tl.program_id(0)
     seg = tl.program_id(1)
     kvh = tl.program_id(2)
-    q0 = tl.load(cu_q_ptr + seg)
-    k0 = tl.load(cu_k_ptr + seg)
-    Lq = tl.load(cu_q_ptr + seg + 1) - q0
-    Lk = tl.load(cu_k_ptr + seg + 1) - k0
+    q0, k0, Lq, Lk = _segment(cu_q_ptr, cu_k_ptr, seg)
     if blk * BLOCK_N >= Lk:
         return
-    kj = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, D_P)
-    off = ((k0 + kj).to(tl.int64) * HKV + kvh)[:, None] * D + d[None, :]
-    kv_mask = (kj < Lk)[:, None] & (d < D)[None, :]
+    kj, off, kv_mask = _keys(k0, kvh, blk * BLOCK_N, Lk, HKV, D, D_P, BLOCK_N)
     k = tl.load(k_ptr + off, mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + off, mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, D_P], tl.float32)
@@ -412,7 +409,7 @@ def varlen_backward(
         return dq, dk, dv
     delta = torch.empty(H, Tq, dtype=torch.float32, device=q.device)
     _delta_kernel[(triton.cdiv(Tq * H, 64),)](out, dout, delta, Tq, Tq * H, H=H, D=D, D_P=d_p, BLOCK=64)
-    dynamic = os.environ.get("TRITON_INTERPRET") != "1" if dynamic_loop is None else dynamic_loop
+    dynamic = _dynamic(dynamic_loop)
     ieee = q.dtype == torch.float32
     blocks_q = triton.cdiv(max_q * group, bm_q)
     _varlen_dq_kernel[(blocks_q, num_segments, Hkv)](
