@@ -104,10 +104,9 @@ def _keys(k0, kvh, start, Lk, HKV: tl.constexpr, D: tl.constexpr, D_P: tl.conste
 
 
 @triton.jit
-def _key_range(blk, Lq, Lk, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(full, hi) for row block `blk`: every row sees keys [0, full) (whole BLOCK_N tiles), no row
-    sees a key past hi."""
-    shift = Lk - Lq
+def _key_range(blk, Lq, Lk, shift, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(full, hi) for row block `blk` (a token sees keys up to its index + shift): every row sees
+    keys [0, full) (whole BLOCK_N tiles), no row sees a key past hi."""
     first_tok = blk * BLOCK_M // GROUP
     last_tok = tl.minimum((blk * BLOCK_M + BLOCK_M - 1) // GROUP, Lq - 1)
     hi = tl.minimum(Lk, last_tok + shift + 1)
@@ -157,12 +156,13 @@ def _varlen_fwd_kernel(
         return
     tok, valid, head, q_off, io_mask = _rows(blk * BLOCK_M, q0, Lq, kvh, H, GROUP, D, D_P, BLOCK_M)
     q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)
-    limit = tl.where(valid, tok + Lk - Lq, Lk - 1)  # the last key each row sees (padding rows: any)
+    shift = Lk - Lq
+    limit = tl.where(valid, tok + shift, Lk - 1)  # the last key each row sees (padding rows: any)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_P], tl.float32)
-    full, hi = _key_range(blk, Lq, Lk, GROUP, BLOCK_M, BLOCK_N)
+    full, hi = _key_range(blk, Lq, Lk, shift, GROUP, BLOCK_M, BLOCK_N)
     if DYNAMIC_LOOP:
         for start in range(0, full, BLOCK_N):
             m_i, l_i, acc = _tile(
@@ -297,9 +297,10 @@ def _varlen_dq_kernel(
     q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)
     do = tl.load(do_ptr + q_off, mask=io_mask, other=0.0)
     lse2, delta = _row_terms(lse_ptr, delta_ptr, head, q0, tok, valid, Tq)
-    limit = tl.where(valid, tok + Lk - Lq, -1)  # padding rows: no key
+    shift = Lk - Lq
+    limit = tl.where(valid, tok + shift, -1)  # padding rows: no key
     dq = tl.zeros([BLOCK_M, D_P], tl.float32)
-    full, hi = _key_range(blk, Lq, Lk, GROUP, BLOCK_M, BLOCK_N)
+    full, hi = _key_range(blk, Lq, Lk, shift, GROUP, BLOCK_M, BLOCK_N)
     if DYNAMIC_LOOP:
         for start in range(0, full, BLOCK_N):
             dq = _dq_tile(q, do, lse2, delta, k_ptr, v_ptr, k0, kvh, start, Lk, limit, dq, scale_log2, HKV, D, D_P, BLOCK_N, False, IEEE)
