@@ -487,6 +487,9 @@ def test_triton_varlen_backward_matches_the_reference(dtype, heads, kv_heads, he
     """The Triton varlen backward (`train.packed_attention=triton_full`) against the dense reference's
     gradients from the same output and log-sum-exp, on the forward test's segments; on the GPU also
     against FlashAttention-2's backward."""
+    if CUDA and not dynamic_loop:
+        pytest.skip("on a GPU the kernels loop to run-time bounds; their constant-span form (the interpreter's) "
+                    "takes minutes to compile there")
     q, k, v, dout, cu_q, cu_k, max_q, max_k, scale = _varlen_case(dtype, heads, kv_heads, head_dim, dynamic_loop, seed=1)
     from hybridrl.train.attention import _varlen_reference_backward, _varlen_reference_forward
     from hybridrl.train.triton_varlen import varlen_backward

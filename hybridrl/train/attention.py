@@ -10,7 +10,8 @@ Two kernels serve packed rows on CUDA (`train.packed_attention`):
   head into one tile's rows (triton_varlen.py), backward by PyTorch's FlashAttention-2 from that
   forward's output and log-sum-exp.
 - `triton_full`: the same Triton forward, and a Triton backward that walks each key block's rows
-  for all the query heads sharing it (dK / dV summed in the program). Not yet measured on a GPU.
+  for all the query heads sharing it (dK / dV summed in the program). Correct on an H200, but its
+  backward took 1.07-1.34x FlashAttention-2's time there (train/NOTES.md, session 21): opt-in only.
 - `fa4`: the same segments through FlashAttention-4's CuTe kernels (`pip install flash-attn-4`;
   Hopper and Blackwell kernels with wgmma / tcgen05, where PyTorch's FlashAttention-2 uses mma.sync).
   Optional: asked for without the package, it is an error that says what to install.

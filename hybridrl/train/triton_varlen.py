@@ -227,8 +227,9 @@ def varlen_forward(
 # The backward: (dq kernel, dK/dV kernel) tiles, (BLOCK_M, BLOCK_N, num_warps, num_stages) each. In the
 # dK/dV kernel a program holds BLOCK_N keys and walks BLOCK_M (token, query head) rows at a time, so
 # the gradients of the GROUP query heads that share a key add up in its accumulators (no per-head
-# dK / dV to fold afterwards). Not yet tuned on a GPU; HYBRIDRL_VARLEN_BWD_TILES=M:N:W:S,M:N:W:S
-# (dq, then dK/dV) overrides them.
+# dK / dV to fold afterwards). On an H200 no tile set tried made it faster than FlashAttention-2's
+# backward (train/NOTES.md, session 21); HYBRIDRL_VARLEN_BWD_TILES=M:N:W:S,M:N:W:S (dq, then dK/dV)
+# overrides them.
 BWD_CONFIGS = ((128, 64, 4, 2), (64, 64, 4, 2))
 
 
