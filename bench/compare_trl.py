@@ -26,7 +26,8 @@ transformers `generate`, fp32 weights and AdamW state under bf16 autocast, gradi
 (on for hybridrl too; `--gradient-checkpointing off` turns it off for both). A random model rarely emits EOS, so responses
 run to the limit. On a GPU each system runs in its own subprocess, so each peak-memory figure is its
 own. Step time is the mean over the steps after the first. TRL is optional: without it only the
-hybridrl half runs.
+hybridrl half runs. On a GPU the table also sets hybridrl against BENCHMARK.md's TRL figures, which,
+unlike the TRL run of the same call, do not vary from call to call.
 """
 
 from __future__ import annotations
@@ -415,8 +416,20 @@ def _fmt(value, spec: str, unit: str = "") -> str:
     return "-" if value is None else format(value, spec) + unit
 
 
+# TRL's figures in ../shared/BENCHMARK.md (one H200; step time s, peak allocated GiB) and the step-time
+# target where it names one: a reference that does not move with the TRL run of the same call, whose
+# step time varies from call to call (14.6-26.4 s at W0.5B over sessions; train/NOTES.md)
+BENCHMARK_MD_TRL = {"0.5B": (15.5, 22.9, 1.9), "1.5B": (20.4, 51.5, None)}
+
+
 def summarise(w: Workload, h: dict, trl: dict, bound_s: float | None) -> dict:
     result = {"workload": asdict(w), "hybridrl": h, "trl": trl, "physical_bound_s": bound_s}
+    if w.size in BENCHMARK_MD_TRL and h.get("step_time_s") and h.get("peak_allocated_gib"):
+        trl_s, trl_gib, target_s = BENCHMARK_MD_TRL[w.size]
+        result["against_benchmark_md"] = {
+            "trl_step_time_s": trl_s, "trl_peak_allocated_gib": trl_gib, "target_step_time_s": target_s,
+            "speedup": trl_s / h["step_time_s"], "memory_ratio": h["peak_allocated_gib"] / trl_gib,
+        }  # fmt: skip
     if "step_time_s" in h:
         h["response_tokens_per_s"] = h["response_tokens_per_step"] / h["step_time_s"]
         if bound_s:
@@ -448,6 +461,11 @@ def print_table(result: dict) -> None:
         mem = result.get("memory_ratio")
         print(f"| TRL / hybridrl | {result['speedup']:.1f}x shorter | {result['tokens_per_s_ratio']:.1f}x | "
               f"{_fmt(mem, '.0%')} of TRL's |")  # fmt: skip
+    if "against_benchmark_md" in result:
+        ref = result["against_benchmark_md"]
+        target = f"; the target is {ref['target_step_time_s']} s" if ref["target_step_time_s"] else ""
+        print(f"\nagainst BENCHMARK.md's TRL figures ({ref['trl_step_time_s']} s, {ref['trl_peak_allocated_gib']} GiB): "
+              f"{ref['speedup']:.1f}x shorter, {ref['memory_ratio']:.0%} of its memory{target}")  # fmt: skip
     if "hybridrl_fraction_of_bound" in result:
         print(f"\nhybridrl step at {result['hybridrl_fraction_of_bound']:.0%} of the physical bound ({result['physical_bound_s']:.2f} s)")
     if "phases_s" in h:

@@ -60,6 +60,26 @@ def test_compare_trl_tiny_runs_hybridrl_and_skips_a_missing_trl(tmp_path):
         assert trl["step_time_s"] > 0 and result["speedup"] > 0
 
 
+def test_compare_trl_table_sets_hybridrl_against_benchmark_md_too(capsys):
+    """Beside the same call's TRL run, the table sets hybridrl against BENCHMARK.md's TRL figures
+    (W0.5B: 15.5 s, 22.9 GiB; target 1.9 s), which do not move with the TRL run's own spread."""
+    compare_trl = bench_script("compare_trl")
+    h = {"step_time_s": 2.5, "response_tokens_per_step": 131072.0, "peak_allocated_gib": 6.87}
+    trl = {"step_time_s": 20.0, "response_tokens_per_step": 131072.0, "peak_allocated_gib": 13.74}
+    result = compare_trl.summarise(compare_trl.workload("0.5B"), h, trl, bound_s=1.35)
+    ref = result["against_benchmark_md"]
+    assert ref["speedup"] == pytest.approx(6.2) and ref["memory_ratio"] == pytest.approx(0.3)
+    assert result["speedup"] == pytest.approx(8.0) and result["memory_ratio"] == pytest.approx(0.5)
+    compare_trl.print_table(result)
+    out = capsys.readouterr().out
+    assert "against BENCHMARK.md's TRL figures (15.5 s, 22.9 GiB): 6.2x shorter, 30% of its memory; the target is 1.9 s" in out
+    w15 = compare_trl.summarise(compare_trl.workload("1.5B"), dict(h), dict(trl), bound_s=None)
+    assert w15["against_benchmark_md"]["speedup"] == pytest.approx(20.4 / 2.5) and w15["against_benchmark_md"]["target_step_time_s"] is None
+    # CPU (no peak memory) and the tiny workload: BENCHMARK.md has no figure to set them against
+    assert "against_benchmark_md" not in compare_trl.summarise(compare_trl.workload("tiny"), dict(h), dict(trl), bound_s=None)
+    assert "against_benchmark_md" not in compare_trl.summarise(compare_trl.workload("0.5B"), {"step_time_s": 2.5, "response_tokens_per_step": 1.0, "peak_allocated_gib": None}, {}, bound_s=None)
+
+
 def test_tiny_learning_bench_evaluates_at_its_marks(tmp_path):
     tiny_learning = bench_script("tiny_learning")
     out = tmp_path / "curve.json"
