@@ -303,6 +303,7 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
         "mfu_ref": mean("perf/mfu/ref") if device == "cuda" else None,
         "kl": later[-1].get("actor/kl"),
         "gc_s": [r.get("perf/gc_s") for r in records],  # the Python collector's time inside each step
+        "compile_s": [r.get("perf/compile_s") for r in records],  # torch.compile's and Triton's compilations inside each step
         "logprob_diff_mean": mean("rollout/logprob_diff/mean"),
         "logprob_diff_max": max((r.get("rollout/logprob_diff/max") or 0.0) for r in records),
         "overrides": list(overrides),
@@ -485,6 +486,8 @@ def print_table(result: dict) -> None:
               f"(host clock: {['%.2f' % s for s in h.get('host_step_times_s', [])]})")  # fmt: skip
         if h.get("gc_s"):
             print(f"hybridrl Python garbage collection per step (s): {[_fmt(s, '.3f') for s in h['gc_s']]}")
+        if h.get("compile_s"):  # a step after the first that compiled: its time is not the code's steady state
+            print(f"hybridrl compilation per step (s): {[_fmt(s, '.3f') for s in h['compile_s']]}")
     if "step_times_s" in trl:
         print(f"TRL step times {['%.2f' % s for s in trl['step_times_s']]}")
 

@@ -2,6 +2,6 @@
 
 from hybridrl.metrics.progress import ConsoleProgress
 from hybridrl.metrics.sinks import JsonlSink, MetricsWriteError, TensorBoardSink, read_records
-from hybridrl.metrics.timing import GcClock, PhaseTimer, memory_metrics
+from hybridrl.metrics.timing import CompileClock, GcClock, PhaseTimer, memory_metrics
 
-__all__ = ["ConsoleProgress", "GcClock", "JsonlSink", "MetricsWriteError", "PhaseTimer", "TensorBoardSink", "memory_metrics", "read_records"]
+__all__ = ["CompileClock", "ConsoleProgress", "GcClock", "JsonlSink", "MetricsWriteError", "PhaseTimer", "TensorBoardSink", "memory_metrics", "read_records"]

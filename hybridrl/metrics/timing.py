@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from contextlib import contextmanager
 
@@ -143,6 +144,84 @@ class GcClock:
     def pop(self) -> dict[str, float]:
         out = {"perf/gc_s": self._seconds, "perf/gc_collections": float(self._collections)}
         self._seconds, self._collections = 0.0, 0
+        return out
+
+
+class CompileClock:
+    """Compilation inside each step, read per step as `perf/compile_s`, `perf/compiles/graphs` and
+    `perf/compiles/triton`, so that a slow step says when its time went to a compiler.
+
+    Two compilers run during training. torch.compile compiles a graph the first time it meets new
+    shapes or new guards, and compiles its backward the first time that runs: both are counted from
+    dynamo's own timings (`torch._dynamo.utils.compilation_time_metrics`, whose top-level entries are
+    added once per compilation). Triton compiles a hand-written kernel (@triton.jit) once per
+    specialization: per set of constexpr values, and per integer argument equal to 1 or divisible
+    by 16 or neither, so a step whose token counts change that way (a response ending early) may
+    compile a kernel again after the first step. Those are counted through Triton's JIT hooks
+    (`triton.knobs.runtime.jit_cache_hook` before the compilation, `jit_post_compile_hook` after),
+    chained to any hook already installed and restored when the step ends. Kernels that inductor
+    generates are compiled inside torch.compile's graphs and counted there. `names` holds what the
+    last `pop` counted, for a log line."""
+
+    _TORCH_KEYS = ("_compile.compile_inner", "backward._backward_impl")  # one entry per compilation
+
+    def __init__(self):
+        self._triton_s = 0.0
+        self._triton_names: list[str] = []
+        self._starts: list[float] = []
+        self._saved_hooks: tuple | None = None
+        self._torch_seen = self._torch_entries()
+        self.names: list[str] = []
+
+    @classmethod
+    def _torch_entries(cls) -> dict[str, int]:
+        utils = sys.modules.get("torch._dynamo.utils")  # not imported: nothing was compiled
+        metrics = getattr(utils, "compilation_time_metrics", None) or {}
+        return {k: len(metrics.get(k, ())) for k in cls._TORCH_KEYS}
+
+    def _before(self, previous, kwargs):
+        result = previous(**kwargs) if previous is not None else None
+        if not result:  # a true result tells Triton to skip the compilation
+            self._starts.append(time.perf_counter())
+        return result
+
+    def _after(self, previous, kwargs):
+        if self._starts:
+            self._triton_s += time.perf_counter() - self._starts.pop()
+            fn = kwargs.get("fn")
+            self._triton_names.append(getattr(fn, "name", None) or "triton kernel")
+        return previous(**kwargs) if previous is not None else None
+
+    def __enter__(self) -> "CompileClock":
+        self._torch_seen = self._torch_entries()  # what compiled between steps (an evaluation) is not the step's
+        triton = sys.modules.get("triton")  # not imported yet: no Triton kernel can compile in this step
+        knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
+        if knobs is not None and self._saved_hooks is None and hasattr(knobs, "jit_post_compile_hook"):
+            before, after = knobs.jit_cache_hook, knobs.jit_post_compile_hook
+            self._saved_hooks = (knobs, before, after)
+            knobs.jit_cache_hook = lambda **kw: self._before(before, kw)
+            knobs.jit_post_compile_hook = lambda **kw: self._after(after, kw)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._saved_hooks is not None:
+            knobs, knobs.jit_cache_hook, knobs.jit_post_compile_hook = self._saved_hooks
+            self._saved_hooks = None
+        self._starts.clear()
+
+    def pop(self) -> dict[str, float]:
+        utils = sys.modules.get("torch._dynamo.utils")
+        metrics = getattr(utils, "compilation_time_metrics", None) or {}
+        seen, graphs, torch_s = self._torch_entries(), 0, 0.0
+        for key, n in seen.items():
+            new = list(metrics.get(key, ()))[self._torch_seen.get(key, 0) : n]
+            graphs += len(new)
+            torch_s += sum(new)
+        self._torch_seen = seen
+        self.names = [f"{graphs} torch.compile graph(s)"] * bool(graphs) + self._triton_names
+        out = {"perf/compile_s": torch_s + self._triton_s, "perf/compiles/graphs": float(graphs),
+               "perf/compiles/triton": float(len(self._triton_names))}  # fmt: skip
+        self._triton_s, self._triton_names = 0.0, []
         return out
 
 

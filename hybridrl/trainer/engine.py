@@ -28,7 +28,7 @@ from hybridrl.checkpoint import (
 from hybridrl.config import Config, ConfigError, algorithm_spec, diff_configs, to_dict, validate_config
 from hybridrl.config.loading import upgrade_deprecated_keys
 from hybridrl.data import StatefulLoader, load_prompt_dataset
-from hybridrl.metrics import ConsoleProgress, GcClock, JsonlSink, MetricsWriteError, PhaseTimer, memory_metrics
+from hybridrl.metrics import CompileClock, ConsoleProgress, GcClock, JsonlSink, MetricsWriteError, PhaseTimer, memory_metrics
 from hybridrl.models import load_critic
 from hybridrl.rollout import RolloutEngine
 from hybridrl.train import oom
@@ -135,6 +135,8 @@ class TrainerEngine:
         self.metrics = JsonlSink(self.output_dir / "metrics.jsonl")
         self.timer = PhaseTimer(self.device)
         self.gc_clock = GcClock()  # the Python collector's time inside each step (perf/gc_s)
+        self.compile_clock = CompileClock()  # torch.compile's and Triton's compilations inside each step (perf/compile_s)
+        self._stepped = False  # this process has run a step (its first compiles; a later one that does is logged)
         self.step = 0
         self.counters = {"response_tokens": 0, "tokens": 0, "skipped_updates": 0, "consecutive_skips": 0}
         self.loader: StatefulLoader | None = None
@@ -241,6 +243,7 @@ class TrainerEngine:
                 self.journal.undo()
                 self.timer.pop()
                 self.gc_clock.pop()
+                self.compile_clock.pop()
                 log.warning("step %d abandoned (%s); it is redone on resume", self.step + 1, e)
                 return
             if eval_data is not None and cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
@@ -258,7 +261,7 @@ class TrainerEngine:
         failpoints.reached("step")
         oom_retries = oom.num_retries()
         try:
-            with self.gc_clock, self.timer.phase("step"):
+            with self.gc_clock, self.compile_clock, self.timer.phase("step"):
                 result = rl_step(self, prompts) if self.spec.kind == "rl" else offline_step(self, prompts)
         except torch.OutOfMemoryError as e:  # rollout and training micro-batches retry; other passes cannot
             raise oom.OutOfMemoryError("a forward pass (reference / old log-probs / values)") from e
@@ -272,6 +275,11 @@ class TrainerEngine:
         skipped = result.pop("train/skipped_updates")
         self._track_skips(skipped)
         step_time = times["timing/step"]
+        compiles = self.compile_clock.pop()
+        if self._stepped and compiles["perf/compile_s"] > 0:
+            log.info("step %d spent %.2f s of its %.2f s compiling: %s", self.step, compiles["perf/compile_s"], step_time,
+                     ", ".join(self.compile_clock.names))  # fmt: skip
+        self._stepped = True
         return {
             "step": self.step,
             **result,
@@ -282,6 +290,7 @@ class TrainerEngine:
             "perf/total_tokens_per_s": n_tok / step_time,
             "perf/total_response_tokens": self.counters["response_tokens"],
             **self.gc_clock.pop(),
+            **compiles,
             **({"actor/kl": result.get("actor/kl")} if self.spec.kind == "rl" else {}),
             **memory_metrics(self.device, self.timer),
         }

@@ -1,0 +1,91 @@
+"""Compilation in the step record (`perf/compile_s`, `perf/compiles/graphs`, `perf/compiles/triton`)."""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+import torch
+
+from conftest import small_config
+from hybridrl.cli.commands import build_trainer
+from hybridrl.metrics import CompileClock, read_records
+
+
+def test_compile_clock_counts_torch_compile_graphs_and_backwards_inside_it_only():
+    @torch.compile(backend="aot_eager", dynamic=False)
+    def f(x):
+        return (x.sin() * 2).sum()
+
+    clock = CompileClock()
+    f(torch.randn(3, requires_grad=True)).backward()  # before: not counted
+    with clock:
+        f(torch.randn(3, requires_grad=True)).backward()  # compiled already: nothing new
+    assert clock.pop() == {"perf/compile_s": 0.0, "perf/compiles/graphs": 0.0, "perf/compiles/triton": 0.0}
+    with clock:
+        f(torch.randn(5, requires_grad=True)).backward()  # a new shape: a forward graph and its backward
+    counted = clock.pop()
+    assert counted["perf/compiles/graphs"] == 2 and counted["perf/compile_s"] > 0
+    assert clock.names == ["2 torch.compile graph(s)"]
+    f(torch.randn(7, requires_grad=True)).backward()  # between steps (an evaluation): not the next step's
+    with clock:
+        pass
+    assert clock.pop()["perf/compiles/graphs"] == 0
+
+
+def test_compile_clock_times_triton_compilations_through_its_hooks_and_restores_theirs():
+    """Triton calls `jit_cache_hook` before compiling a kernel and `jit_post_compile_hook` after
+    (triton/runtime/jit.py, `_do_compile`); here the two calls are made as Triton makes them, since
+    no kernel compiles on a CPU."""
+    knobs = pytest.importorskip("triton").knobs.runtime
+    calls = []
+    theirs = (lambda **kw: calls.append(("before", kw["fn"].name)), lambda **kw: calls.append(("after", kw["fn"].name)))
+    saved = knobs.jit_cache_hook, knobs.jit_post_compile_hook
+    knobs.jit_cache_hook, knobs.jit_post_compile_hook = theirs
+    try:
+        clock = CompileClock()
+        with clock:
+            kernel = dict(key="k", repr="r", fn=types.SimpleNamespace(name="_varlen_fwd_kernel"), compile={},
+                          is_manual_warmup=False, already_compiled=False)  # fmt: skip
+            assert not knobs.jit_cache_hook(**kernel)  # a false result: Triton goes on compiling
+            knobs.jit_post_compile_hook(**kernel)
+        assert (knobs.jit_cache_hook, knobs.jit_post_compile_hook) == theirs  # restored at exit
+        counted = clock.pop()
+        assert counted["perf/compiles/triton"] == 1 and counted["perf/compile_s"] > 0
+        assert clock.names == ["_varlen_fwd_kernel"]
+        assert calls == [("before", "_varlen_fwd_kernel"), ("after", "_varlen_fwd_kernel")]  # theirs still ran
+        # A hook before ours that tells Triton to skip the compilation: nothing compiled, nothing counted
+        knobs.jit_cache_hook = lambda **kw: True
+        with clock:
+            assert knobs.jit_cache_hook(**kernel) is True
+        assert clock.pop()["perf/compiles/triton"] == 0
+    finally:
+        knobs.jit_cache_hook, knobs.jit_post_compile_hook = saved
+
+
+def test_every_step_record_says_what_compiled_and_a_later_step_that_compiles_is_logged(tmp_path, arith_data, caplog):
+    cfg = small_config(tmp_path, arith_data, **{"train.total_steps": 2, "trainer.save_every": 0, "data.eval_path": "null",
+                                                "train.batch_size": 16, "train.micro_batch_size": 8})  # fmt: skip
+    trainer = build_trainer(cfg)
+    compiled = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+
+    def compile_in_step_2(record):  # stop_when runs after step 1's record: make step 2 compile a graph
+        if record["step"] == 1:
+            generate = trainer.rollout.generate
+
+            def wrapper(*args, **kwargs):
+                compiled(torch.randn(11))
+                return generate(*args, **kwargs)
+
+            trainer.rollout.generate = wrapper
+        return False
+
+    with caplog.at_level(logging.INFO, logger="hybridrl.trainer"):
+        trainer.fit(stop_when=compile_in_step_2)
+    records = read_records(trainer.metrics.path)
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["perf/compiles/graphs"] == 0 and records[0]["perf/compile_s"] == 0  # this small run compiles nothing
+    assert records[1]["perf/compiles/graphs"] == 1 and records[1]["perf/compile_s"] > 0
+    assert all(r["perf/compiles/triton"] == 0 for r in records)
+    assert any("step 2 spent" in m and "compiling: 1 torch.compile graph(s)" in m for m in caplog.messages)
