@@ -33,6 +33,15 @@ CONFIGS = {64: (128, 64, 4, 3), 128: (64, 64, 4, 3)}
 FALLBACK_CONFIG = (64, 64, 4, 2)  # other head dims: smaller tiles, so the accumulator stays in registers
 
 
+# The kernels' integer arguments that follow the packed row's token count. Triton compiles a kernel
+# once per specialization of its integer arguments (equal to 1, divisible by 16, or neither), so
+# a step whose token count changes class (a response ending early) would compile the kernel again
+# mid-run, ~1 s each time. These arguments only index the log-sum-exp rows and order the programs:
+# compiled for sm_90, the forward's PTX code is the same with and without the divisibility, so
+# they are never specialized.
+VARYING_INTS = ("Tq", "NUM_BLOCKS")
+
+
 def _tiles_from_env(name: str, kernels: int) -> tuple[tuple[int, int, int, int], ...] | None:
     """The tile override in environment variable `name`: `kernels` comma-separated M:N:WARPS:STAGES
     groups of four integers, or None when the variable is unset or empty."""
@@ -141,7 +150,7 @@ def _tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING_INTS)
 def _varlen_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, Tq, scale_log2, NUM_BLOCKS,
     H: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
@@ -237,7 +246,7 @@ def _bwd_configs() -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]
     return _tiles_from_env("HYBRIDRL_VARLEN_BWD_TILES", 2) or BWD_CONFIGS  # (dq, then dK/dV)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("Tq", "N_ROWS"))
 def _delta_kernel(out_ptr, do_ptr, delta_ptr, Tq, N_ROWS, H: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, BLOCK: tl.constexpr):
     """delta[h, t] = sum_d out[t, h, d] * dout[t, h, d] in fp32: the softmax backward's row term."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # flat t * H + h
@@ -280,7 +289,7 @@ def _dq_tile(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING_INTS)
 def _varlen_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, cu_k_ptr, Tq, scale_log2, scale, NUM_BLOCKS,
     H: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
@@ -335,7 +344,7 @@ def _dkdv_tile(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=VARYING_INTS)
 def _varlen_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, Tq, scale_log2, scale,
     NUM_BLOCKS, H: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
