@@ -170,7 +170,6 @@ def test_phase_timer_times_the_gpu_timeline_without_draining_it():
                 time.sleep(0.05)  # the GPU may still be busy with the matmuls meanwhile
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    start = time.perf_counter()
     torch.cuda.synchronize()
     times = timer.pop()
     assert y.isfinite().all()
