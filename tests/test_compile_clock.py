@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import types
 
 import pytest
@@ -34,34 +35,37 @@ def test_compile_clock_counts_torch_compile_graphs_and_backwards_inside_it_only(
     assert clock.pop()["perf/compiles/graphs"] == 0
 
 
-def test_compile_clock_times_triton_compilations_through_its_hooks_and_restores_theirs():
+def test_compile_clock_times_triton_compilations_through_its_hooks_and_restores_theirs(monkeypatch):
     """Triton calls `jit_cache_hook` before compiling a kernel and `jit_post_compile_hook` after
-    (triton/runtime/jit.py, `_do_compile`); here the two calls are made as Triton makes them, since
-    no kernel compiles on a CPU."""
-    knobs = pytest.importorskip("triton").knobs.runtime
+    (triton/runtime/jit.py, `_do_compile`), with keyword arguments; here the two calls are made as
+    Triton makes them, on a stand-in for `triton.knobs.runtime` (no kernel compiles on a CPU, and
+    Triton may not be installed there)."""
     calls = []
     theirs = (lambda **kw: calls.append(("before", kw["fn"].name)), lambda **kw: calls.append(("after", kw["fn"].name)))
-    saved = knobs.jit_cache_hook, knobs.jit_post_compile_hook
-    knobs.jit_cache_hook, knobs.jit_post_compile_hook = theirs
-    try:
-        clock = CompileClock()
-        with clock:
-            kernel = dict(key="k", repr="r", fn=types.SimpleNamespace(name="_varlen_fwd_kernel"), compile={},
-                          is_manual_warmup=False, already_compiled=False)  # fmt: skip
-            assert not knobs.jit_cache_hook(**kernel)  # a false result: Triton goes on compiling
-            knobs.jit_post_compile_hook(**kernel)
-        assert (knobs.jit_cache_hook, knobs.jit_post_compile_hook) == theirs  # restored at exit
-        counted = clock.pop()
-        assert counted["perf/compiles/triton"] == 1 and counted["perf/compile_s"] > 0
-        assert clock.names == ["_varlen_fwd_kernel"]
-        assert calls == [("before", "_varlen_fwd_kernel"), ("after", "_varlen_fwd_kernel")]  # theirs still ran
-        # A hook before ours that tells Triton to skip the compilation: nothing compiled, nothing counted
-        knobs.jit_cache_hook = lambda **kw: True
-        with clock:
-            assert knobs.jit_cache_hook(**kernel) is True
-        assert clock.pop()["perf/compiles/triton"] == 0
-    finally:
-        knobs.jit_cache_hook, knobs.jit_post_compile_hook = saved
+    knobs = types.SimpleNamespace(jit_cache_hook=theirs[0], jit_post_compile_hook=theirs[1])
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(knobs=types.SimpleNamespace(runtime=knobs)))
+    clock = CompileClock()
+    with clock:
+        kernel = dict(key="k", repr="r", fn=types.SimpleNamespace(name="_varlen_fwd_kernel"), compile={},
+                      is_manual_warmup=False, already_compiled=False)  # fmt: skip
+        assert not knobs.jit_cache_hook(**kernel)  # a false result: Triton goes on compiling
+        knobs.jit_post_compile_hook(**kernel)
+        knobs.jit_post_compile_hook(**kernel)  # a post-compile call with no compilation begun (inductor's): not counted
+    assert (knobs.jit_cache_hook, knobs.jit_post_compile_hook) == theirs  # restored at exit
+    counted = clock.pop()
+    assert counted["perf/compiles/triton"] == 1 and counted["perf/compile_s"] > 0
+    assert clock.names == ["_varlen_fwd_kernel"]
+    assert calls == [("before", "_varlen_fwd_kernel"), ("after", "_varlen_fwd_kernel"), ("after", "_varlen_fwd_kernel")]
+    # A hook before ours that tells Triton to skip the compilation: nothing compiled, nothing counted
+    knobs.jit_cache_hook = lambda **kw: True
+    with clock:
+        assert knobs.jit_cache_hook(**kernel) is True
+    assert clock.pop()["perf/compiles/triton"] == 0
+
+
+def test_the_triton_hooks_the_compile_clock_uses_exist_where_triton_is_installed():
+    runtime = pytest.importorskip("triton").knobs.runtime
+    assert hasattr(runtime, "jit_cache_hook") and hasattr(runtime, "jit_post_compile_hook")
 
 
 def test_every_step_record_says_what_compiled_and_a_later_step_that_compiles_is_logged(tmp_path, arith_data, caplog):
