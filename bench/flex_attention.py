@@ -22,6 +22,7 @@ import json
 import os
 import time
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import torch
 from torch.nn.attention.flex_attention import flex_attention
@@ -134,55 +135,34 @@ def compare_kernels(args, device) -> dict:
         out = compiled(q, k, v, block_mask=mask, enable_gqa=True, scale=scale, kernel_options=FLEX_KERNEL_OPTIONS)
         return out.transpose(1, 2)[:, :n]
 
-    def run_flash(q, k, v):
-        return _flash_varlen_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], seg, scale)
+    def varlen_runner(kernel):  # the trainer's call, through one train.packed_attention kernel
+        seg_kernel = dataclasses.replace(seg, kernel=kernel)
+        return lambda q, k, v: _flash_varlen_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], seg_kernel, scale)
 
-    seg4 = dataclasses.replace(seg, kernel="fa4")
-
-    def run_fa4(q, k, v):
-        return _flash_varlen_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], seg4, scale)
-
-    seg_t = dataclasses.replace(seg, kernel="triton")
-
-    def run_triton(q, k, v):
-        return _flash_varlen_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], seg_t, scale)
-
-    seg_tf = dataclasses.replace(seg, kernel="triton_full")
-
-    def run_triton_full(q, k, v):
-        return _flash_varlen_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], seg_tf, scale)
-
-    candidates = {"flex": run_flex, "flash": run_flash, "triton": run_triton, "triton_full": run_triton_full, "fa4": run_fa4}
+    candidates = {"flex": run_flex, **{kernel: varlen_runner(kernel) for kernel in ("flash", "triton", "triton_full", "fa4")}}
     env_of = {}  # the tiles a candidate runs with, through the kernels' environment overrides
     for cfg in args.triton_configs:  # the Triton forward with other tiles (its backward is flash's)
-        candidates[f"triton{cfg}"], env_of[f"triton{cfg}"] = run_triton, {"HYBRIDRL_VARLEN_TILES": cfg}
+        candidates[f"triton{cfg}"], env_of[f"triton{cfg}"] = candidates["triton"], {"HYBRIDRL_VARLEN_TILES": cfg}
     for cfg in args.triton_bwd_configs:  # the Triton backward with other tiles (dq, then dK / dV)
-        candidates[f"triton_full{cfg}"], env_of[f"triton_full{cfg}"] = run_triton_full, {"HYBRIDRL_VARLEN_BWD_TILES": cfg}
+        candidates[f"triton_full{cfg}"], env_of[f"triton_full{cfg}"] = candidates["triton_full"], {"HYBRIDRL_VARLEN_BWD_TILES": cfg}
     results, outs, grads = {}, {}, {}
     for name, fn in candidates.items():
         if args.only and name not in args.only and name not in env_of:
             continue
-        saved = {key: os.environ.get(key) for key in env_of.get(name, {})}
-        os.environ.update(env_of.get(name, {}))
         q, k, v = (t.detach().clone().requires_grad_() for t in (q0, k0, v0))
         try:
-            with torch.no_grad():
-                outs[name] = fn(q, k, v).float()
-            fwd = timed(lambda: fn(q.detach(), k.detach(), v.detach()), args.repeats)
-            both = timed(lambda: fn(q, k, v).backward(grad), args.repeats)
-            host = host_time(lambda: fn(q.detach(), k.detach(), v.detach()))
-            q.grad = k.grad = v.grad = None
-            fn(q, k, v).backward(grad)
-            grads[name] = [t.grad.float() for t in (q, k, v)]
+            with patch.dict(os.environ, env_of.get(name, {})):  # the candidate's tiles, restored after
+                with torch.no_grad():
+                    outs[name] = fn(q, k, v).float()
+                fwd = timed(lambda: fn(q.detach(), k.detach(), v.detach()), args.repeats)
+                both = timed(lambda: fn(q, k, v).backward(grad), args.repeats)
+                host = host_time(lambda: fn(q.detach(), k.detach(), v.detach()))
+                q.grad = k.grad = v.grad = None
+                fn(q, k, v).backward(grad)
+                grads[name] = [t.grad.float() for t in (q, k, v)]
         except Exception as e:  # a kernel this GPU / build does not have: report and go on
             print(f"{name:6s} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
             continue
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
         results[name] = {"fwd_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3, "fwd_tflops": flops / fwd / 1e12, "fwd_bwd_tflops": 3.5 * flops / both / 1e12,
                          "fwd_host_ms": host * 1e3}  # fmt: skip
         r = results[name]
