@@ -173,11 +173,15 @@ class CompileClock:
         self._torch_seen = self._torch_entries()
         self.names: list[str] = []
 
+    @staticmethod
+    def _dynamo_timings() -> dict[str, list[float]]:
+        utils = sys.modules.get("torch._dynamo.utils")  # not imported: nothing was compiled
+        return getattr(utils, "compilation_time_metrics", None) or {}
+
     @classmethod
     def _torch_entries(cls) -> dict[str, int]:
-        utils = sys.modules.get("torch._dynamo.utils")  # not imported: nothing was compiled
-        metrics = getattr(utils, "compilation_time_metrics", None) or {}
-        return {k: len(metrics.get(k, ())) for k in cls._TORCH_KEYS}
+        timings = cls._dynamo_timings()
+        return {k: len(timings.get(k, ())) for k in cls._TORCH_KEYS}
 
     def _before(self, previous, kwargs):
         result = previous(**kwargs) if previous is not None else None
@@ -210,14 +214,12 @@ class CompileClock:
         self._starts.clear()
 
     def pop(self) -> dict[str, float]:
-        utils = sys.modules.get("torch._dynamo.utils")
-        metrics = getattr(utils, "compilation_time_metrics", None) or {}
-        seen, graphs, torch_s = self._torch_entries(), 0, 0.0
-        for key, n in seen.items():
-            new = list(metrics.get(key, ()))[self._torch_seen.get(key, 0) : n]
+        timings, graphs, torch_s = self._dynamo_timings(), 0, 0.0
+        for key in self._TORCH_KEYS:
+            new = list(timings.get(key, ()))[self._torch_seen.get(key, 0) :]
             graphs += len(new)
             torch_s += sum(new)
-        self._torch_seen = seen
+        self._torch_seen = self._torch_entries()
         self.names = [f"{graphs} torch.compile graph(s)"] * bool(graphs) + self._triton_names
         out = {"perf/compile_s": torch_s + self._triton_s, "perf/compiles/graphs": float(graphs),
                "perf/compiles/triton": float(len(self._triton_names))}  # fmt: skip
