@@ -90,6 +90,15 @@ def _segment(cu_q_ptr, cu_k_ptr, seg):
 
 
 @triton.jit
+def _row_block(cu_q_ptr, cu_k_ptr, NUM_BLOCKS):
+    """The forward's and dq's program: (blk, kvh, q0, k0, Lq, Lk), its row block (the longest, last
+    blocks of each segment first), KV head and segment bounds, from the grid (blocks, segments, KV heads)."""
+    blk = NUM_BLOCKS - 1 - tl.program_id(0)
+    q0, k0, Lq, Lk = _segment(cu_q_ptr, cu_k_ptr, tl.program_id(1))
+    return blk, tl.program_id(2), q0, k0, Lq, Lk
+
+
+@triton.jit
 def _rows(rs, q0, Lq, kvh, H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, BLOCK_M: tl.constexpr):
     """The (token, query head) rows [rs, rs + BLOCK_M) of KV head `kvh` in a segment: each row's
     token and query head, whether it is a real token, and its offsets and load mask in `[Tq, H, D]`."""
@@ -157,10 +166,7 @@ def _varlen_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPAN: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
     IEEE: tl.constexpr,
 ):  # fmt: skip
-    blk = NUM_BLOCKS - 1 - tl.program_id(0)  # the longest (last) blocks of each segment first
-    seg = tl.program_id(1)
-    kvh = tl.program_id(2)
-    q0, k0, Lq, Lk = _segment(cu_q_ptr, cu_k_ptr, seg)
+    blk, kvh, q0, k0, Lq, Lk = _row_block(cu_q_ptr, cu_k_ptr, NUM_BLOCKS)
     if blk * BLOCK_M >= Lq * GROUP:
         return
     tok, valid, head, q_off, io_mask = _rows(blk * BLOCK_M, q0, Lq, kvh, H, GROUP, D, D_P, BLOCK_M)
@@ -297,10 +303,7 @@ def _varlen_dq_kernel(
     IEEE: tl.constexpr,
 ):  # fmt: skip
     """dq for one block of (token, query head) rows: the forward's walk over the keys."""
-    blk = NUM_BLOCKS - 1 - tl.program_id(0)
-    seg = tl.program_id(1)
-    kvh = tl.program_id(2)
-    q0, k0, Lq, Lk = _segment(cu_q_ptr, cu_k_ptr, seg)
+    blk, kvh, q0, k0, Lq, Lk = _row_block(cu_q_ptr, cu_k_ptr, NUM_BLOCKS)
     if blk * BLOCK_M >= Lq * GROUP:
         return
     tok, valid, head, q_off, io_mask = _rows(blk * BLOCK_M, q0, Lq, kvh, H, GROUP, D, D_P, BLOCK_M)
