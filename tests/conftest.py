@@ -26,6 +26,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def interpreter_loops_to_runtime_bounds() -> bool:
+    """Whether Triton's CPU interpreter can run a kernel loop over a run-time bound (`range(lo, hi,
+    TILE)`): Triton 3.6's interpreter turns the bound into int() of a 1-element array, which numpy
+    >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"). Compiled for a
+    GPU the same loops are fine."""
+    import numpy
+
+    return tuple(int(p) for p in numpy.__version__.split(".")[:2]) < (2, 4)
+
+
 def bench_script(name: str):
     """Imports bench/<name>.py (the benchmarks are scripts, not a package; bench/ is on the path while
     it loads, as when it runs, so one script may import another)."""

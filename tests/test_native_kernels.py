@@ -20,24 +20,15 @@ elif os.environ.get("TRITON_INTERPRET") == "1":
 else:
     pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
+from conftest import interpreter_loops_to_runtime_bounds  # noqa: E402
 from hybridrl.rollout.native import triton_attention, triton_kernels, triton_sampling  # noqa: E402
 from hybridrl.rollout.native.ops_torch import TorchOps  # noqa: E402
 from hybridrl.rollout.native.sampling import SAMPLE_CHUNK, SamplingParams, sample  # noqa: E402
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
-
-def _reads_runtime_loop_bounds() -> bool:
-    """Triton 3.6's interpreter turns a loop over a run-time bound (`range(lo, hi, TILE)`) into int()
-    of a 1-element array, which numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted to
-    Python scalars"); compiled for a GPU the same loops are fine."""
-    import numpy
-
-    return DEVICE == "cuda" or tuple(int(p) for p in numpy.__version__.split(".")[:2]) < (2, 4)
-
-
 needs_runtime_loop_bounds = pytest.mark.skipif(
-    not _reads_runtime_loop_bounds(), reason="kernels that loop to a run-time bound need numpy < 2.4 under Triton 3.6's interpreter"
+    DEVICE != "cuda" and not interpreter_loops_to_runtime_bounds(), reason="kernels that loop to a run-time bound need numpy < 2.4 under Triton 3.6's interpreter"
 )
 
 

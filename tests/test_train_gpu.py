@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from conftest import interpreter_loops_to_runtime_bounds
 from hybridrl.train.attention import enable_packed_attention
 from hybridrl.train.batch import build_sequence_batch
 from hybridrl.train.lm_head import logit_grad_torch, logit_stats_torch, token_logprobs
@@ -394,14 +395,6 @@ def test_fa4_matches_flash_on_the_packed_segments():
         assert (x - y).norm() <= 2e-2 * y.norm() + 1e-8
 
 
-def _interpreter_reads_runtime_loop_bounds() -> bool:
-    """Triton 3.6's interpreter fails on loops to a run-time bound with numpy >= 2.4
-    (tests/test_native_kernels.py says more); the kernels' fixed-span fallback runs there."""
-    import numpy
-
-    return tuple(int(p) for p in numpy.__version__.split(".")[:2]) < (2, 4)
-
-
 def _segments(lengths):
     """cu_q, cu_k (int32) of segments given as (queries, keys) pairs, and the longest of each."""
     cu_q = torch.tensor([0] + [q for q, _ in lengths]).cumsum(0).to(torch.int32)
@@ -418,7 +411,7 @@ def _varlen_case(dtype, heads, kv_heads, head_dim, dynamic_loop, seed):
     pytest.importorskip("triton")
     if dtype == torch.bfloat16 and not CUDA:
         pytest.skip("Triton's interpreter runs the fp32 case")
-    if dynamic_loop and not CUDA and not _interpreter_reads_runtime_loop_bounds():
+    if dynamic_loop and not CUDA and not interpreter_loops_to_runtime_bounds():
         pytest.skip("loops to a run-time bound need numpy < 2.4 under Triton 3.6's interpreter")
     device = "cuda" if CUDA else "cpu"
     lengths = [(40, 40), (23, 63), (1, 41), (70, 110), (5, 5)] if dtype == torch.float32 else [(256, 256), (512, 768), (77, 333), (1, 1)]
