@@ -15,12 +15,36 @@ class TritonOps(TorchOps):
 
     shared_prefix = True
 
-    # Defaults measured on one H200 at W0.5B (bench/rollout.py --attn): tile 128, 4 warps, no split.
-    def __init__(self, attention_tile: int = 128, attention_warps: int = 4, attention_split: int = 0, attention_stages: int = 2):
+    # Settings left None are chosen by head dim, from bench/decode_attention.py and bench/rollout.py on
+    # one H200 (rollout/native/NOTES.md, session 22). The fused rotary + attention kernel (the decode
+    # step's, without a shared prefix or splits): 64-token tiles, 3 pipeline stages; at head dim 64 it
+    # also attends the new token from registers and reads the block table a tile ahead (W0.5B
+    # rollout 0.851-0.860 s against 0.875-0.881 s), at 128 not (those cost it registers; W1.5B 1.608-
+    # 1.610 s against 1.699-1.701 s with 128-token tiles). The separate attention kernel keeps
+    # 128-token tiles and 2 stages.
+    def __init__(self, attention_tile: int | None = None, attention_warps: int = 4, attention_split: int = 0,
+                 attention_stages: int | None = None, new_token_in_registers: bool | None = None,
+                 prefetch_table: bool | None = None, attention_max_registers: int | None = None):  # fmt: skip
         self.attention_tile = attention_tile  # tokens per inner-loop tile
         self.attention_warps = attention_warps
         self.attention_stages = attention_stages  # software-pipelining depth of the tile loop
         self.attention_split = attention_split  # tokens per flash-decoding split (0: no split)
+        # The fused kernel attends the new token from its registers, not from the cache it wrote.
+        self.new_token_in_registers = new_token_in_registers
+        self.prefetch_table = prefetch_table  # with registers: block table entries read a tile ahead
+        self.attention_max_registers = attention_max_registers  # per thread of the fused kernel (None: ptxas's choice)
+
+    def _fused_settings(self, head_dim: int) -> dict:
+        """The fused kernel's launch settings: those set, the rest by head dim (see __init__)."""
+        small = head_dim <= 64
+        return dict(
+            tile=64 if self.attention_tile is None else self.attention_tile,
+            num_warps=self.attention_warps,
+            num_stages=3 if self.attention_stages is None else self.attention_stages,
+            new_in_registers=small if self.new_token_in_registers is None else self.new_token_in_registers,
+            prefetch_table=small if self.prefetch_table is None else self.prefetch_table,
+            max_registers=self.attention_max_registers,
+        )
 
     def add_rms_norm(self, x, residual, weight, eps):
         return triton_kernels.add_rms_norm(x, residual, weight, eps)
@@ -41,7 +65,8 @@ class TritonOps(TorchOps):
     def decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale, prefix=None, kv_table=None):
         return triton_attention.paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale,
-            tile=self.attention_tile, num_warps=self.attention_warps, num_stages=self.attention_stages, split_tokens=self.attention_split,
+            tile=self.attention_tile or 128, num_warps=self.attention_warps, num_stages=self.attention_stages or 2,
+            split_tokens=self.attention_split,
             prefix=prefix if self.attention_split == 0 else None,  # flash-decoding splits read the whole context
             kv_table=kv_table,
         )  # fmt: skip
@@ -55,7 +80,7 @@ class TritonOps(TorchOps):
             )  # fmt: skip
         return triton_attention.rope_paged_decode_attention(
             q, k, v, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, block_tables, scale,
-            tile=self.attention_tile, num_warps=self.attention_warps, num_stages=self.attention_stages, kv_table=kv_table,
+            kv_table=kv_table, **self._fused_settings(2 * cos.shape[1]),
         )  # fmt: skip
 
     def silu_mul(self, gate, up):

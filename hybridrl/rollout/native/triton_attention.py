@@ -23,15 +23,31 @@ DEFAULT_TILE = 128
 
 
 @triton.jit
+def _tile_blocks(bt_ptr, bt_stride, row, ctx, start, BS: tl.constexpr, TILE: tl.constexpr):
+    """The cache block of each of the TILE tokens from `start` (0 past ctx)."""
+    tok = start + tl.arange(0, TILE)
+    return tl.load(bt_ptr + row * bt_stride + tok // BS, mask=tok < ctx, other=0).to(tl.int64)
+
+
+@triton.jit
 def _attend_tile(
     q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, ctx, start, m_i, l_i, acc, scale_log2,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax update with the TILE tokens from `start` (gathered via the table)."""
+    block = _tile_blocks(bt_ptr, bt_stride, row, ctx, start, BS, TILE)
+    return _attend_blocks(q, k_ptr, v_ptr, block, kvh, ctx, start, m_i, l_i, acc, scale_log2, HKV, D, BS, TILE, IEEE)
+
+
+@triton.jit
+def _attend_blocks(
+    q, k_ptr, v_ptr, block, kvh, ctx, start, m_i, l_i, acc, scale_log2,
+    HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """_attend_tile with the tile's cache blocks (_tile_blocks) already read."""
     tok = start + tl.arange(0, TILE)
     d = tl.arange(0, D)
     t_mask = tok < ctx
-    block = tl.load(bt_ptr + row * bt_stride + tok // BS, mask=t_mask, other=0).to(tl.int64)
     kv_off = ((block * HKV + kvh) * BS + tok % BS)[:, None] * D + d[None, :]
     k = tl.load(k_ptr + kv_off, mask=t_mask[:, None], other=0.0)  # [TILE, D]
     if IEEE:
@@ -73,6 +89,32 @@ def _attend_range(
                 q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, hi, lo + start, m_i, l_i, acc, scale_log2,
                 HKV, D, BS, TILE, IEEE,
             )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_range_prefetched(
+    q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, lo, hi, m_i, l_i, acc, scale_log2,
+    SPAN: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """_attend_range reading each tile's block table entries one tile ahead: a tile's K / V
+    addresses then depend on a value the loop carries in, not on a load of the same iteration."""
+    block = _tile_blocks(bt_ptr, bt_stride, row, hi, lo, BS, TILE)
+    if DYNAMIC_LOOP:
+        for start in range(lo, hi, TILE):
+            following = _tile_blocks(bt_ptr, bt_stride, row, hi, start + TILE, BS, TILE)
+            m_i, l_i, acc = _attend_blocks(
+                q, k_ptr, v_ptr, block, kvh, hi, start, m_i, l_i, acc, scale_log2, HKV, D, BS, TILE, IEEE
+            )
+            block = following
+    else:
+        for start in tl.static_range(0, SPAN, TILE):
+            following = _tile_blocks(bt_ptr, bt_stride, row, hi, lo + start + TILE, BS, TILE)
+            m_i, l_i, acc = _attend_blocks(
+                q, k_ptr, v_ptr, block, kvh, hi, lo + start, m_i, l_i, acc, scale_log2, HKV, D, BS, TILE, IEEE
+            )
+            block = following
     return m_i, l_i, acc
 
 
@@ -137,12 +179,19 @@ def _rope_paged_decode_kernel(
     MAX_CTX: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
     BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, HAS_NORM: tl.constexpr,
-    kv_off_ptr, KV_TABLE: tl.constexpr,
+    kv_off_ptr, KV_TABLE: tl.constexpr, NEW_IN_REGISTERS: tl.constexpr, PREFETCH_TABLE: tl.constexpr,
 ):  # fmt: skip
     """_qk_rope_write_kv_kernel and _paged_decode_kernel as one program per (sequence, KV head):
     the program rotates its query heads and its KV head's new key, writes the new key and value
     into the cache, and attends over the context including them. Same arithmetic, one launch fewer
-    per layer. The rotated queries are staged in the row's output slot (overwritten by the result)."""
+    per layer.
+
+    NEW_IN_REGISTERS (HALF a power of two): the rotated queries stay in registers, and the new
+    token is attended from the registers that wrote it, before the cached tokens; nothing this
+    program wrote is read back, so no barrier waits for the stores. PREFETCH_TABLE then reads the
+    block table a tile ahead (_attend_range_prefetched). Otherwise the rotated queries are staged
+    in the row's output slot (overwritten by the result) and the loop reads the new token from the
+    cache. Which is faster depends on the head dim: ops_triton.TritonOps picks."""
     k_cache_ptr, v_cache_ptr = _cache_pointers(k_cache_ptr, v_cache_ptr, kv_off_ptr, KV_TABLE)
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -159,26 +208,47 @@ def _rope_paged_decode_kernel(
     q2 = tl.load(q_ptr + row * q_stride + half_off + HALF, mask=half_mask, other=0.0).to(tl.float32)
     o1, o2 = _rms_rope_heads(q1, q2, qn_ptr, c, s, hd, hd_mask, eps, D, HALF, HAS_NORM, dtype)
     out_row = out_ptr + row * HQ * D
-    tl.store(out_row + half_off, o1.to(dtype), mask=half_mask)
-    tl.store(out_row + half_off + HALF, o2.to(dtype), mask=half_mask)
+    if not NEW_IN_REGISTERS:
+        tl.store(out_row + half_off, o1.to(dtype), mask=half_mask)
+        tl.store(out_row + half_off + HALF, o2.to(dtype), mask=half_mask)
 
-    _rope_write_kv(  # this program's KV head
+    nk1, nk2, nv1, nv2 = _rope_write_kv(  # this program's KV head
         k_ptr, v_ptr, k_stride, v_stride, kn_ptr, eps, row, pos, kvh, hd_mask[None, :], c, s, hd, hd_mask,
         k_cache_ptr, v_cache_ptr, bt_ptr, bt_stride, HKV, D, HALF, BS, HAS_NORM, dtype,
     )  # fmt: skip
-    tl.debug_barrier()  # the stores above are read below by other threads of this program
 
     d = tl.arange(0, D)
     q_off = head[:, None] * D + d[None, :]
-    q = tl.load(out_row + q_off, mask=g_mask[:, None], other=0.0)  # [GP, D]
-    m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_P], tl.float32)
-    acc = tl.zeros([GROUP_P, D], tl.float32)
-    m_i, l_i, acc = _attend_range(
-        q, k_cache_ptr, v_cache_ptr, bt_ptr, bt_stride, row, kvh, 0, pos + 1, m_i, l_i, acc, scale_log2,
-        MAX_CTX, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE,
-    )  # fmt: skip
-    tl.debug_barrier()  # every thread has read the staged queries before the result replaces them
+    if NEW_IN_REGISTERS:
+        # The softmax state starts from the new token (nothing of it stays live through the loop):
+        # its score in fp32, its weight (1 against itself) scaling its value.
+        m_i = tl.sum(o1.to(tl.float32) * nk1.to(tl.float32), axis=1)
+        m_i = (m_i + tl.sum(o2.to(tl.float32) * nk2.to(tl.float32), axis=1)) * scale_log2  # [GP], log2 units
+        l_i = tl.full([GROUP_P], 1.0, tl.float32)
+        ones = tl.full([GROUP_P, 1], 1.0, tl.float32)
+        acc = tl.reshape(tl.permute(tl.join(ones * nv1.to(tl.float32), ones * nv2.to(tl.float32)), (0, 2, 1)), (GROUP_P, D))
+        q = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (GROUP_P, D))  # [q1 | q2] per head
+        if PREFETCH_TABLE:
+            m_i, l_i, acc = _attend_range_prefetched(  # the cached tokens before the new one
+                q, k_cache_ptr, v_cache_ptr, bt_ptr, bt_stride, row, kvh, 0, pos, m_i, l_i, acc, scale_log2,
+                MAX_CTX, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE,
+            )  # fmt: skip
+        else:
+            m_i, l_i, acc = _attend_range(  # the cached tokens before the new one
+                q, k_cache_ptr, v_cache_ptr, bt_ptr, bt_stride, row, kvh, 0, pos, m_i, l_i, acc, scale_log2,
+                MAX_CTX, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE,
+            )  # fmt: skip
+    else:
+        tl.debug_barrier()  # the stores above are read below by other threads of this program
+        q = tl.load(out_row + q_off, mask=g_mask[:, None], other=0.0)  # [GP, D]
+        m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_P], tl.float32)
+        acc = tl.zeros([GROUP_P, D], tl.float32)
+        m_i, l_i, acc = _attend_range(
+            q, k_cache_ptr, v_cache_ptr, bt_ptr, bt_stride, row, kvh, 0, pos + 1, m_i, l_i, acc, scale_log2,
+            MAX_CTX, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE,
+        )  # fmt: skip
+        tl.debug_barrier()  # every thread has read the staged queries before the result replaces them
     out = acc / l_i[:, None]
     tl.store(out_row + q_off, out.to(dtype), mask=g_mask[:, None])
 
@@ -372,6 +442,9 @@ def rope_paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     kv_table: tuple[torch.Tensor, torch.Tensor] | None = None,  # as paged_decode_attention's
+    new_in_registers: bool = False,  # the new token attended from registers (_rope_paged_decode_kernel)
+    prefetch_table: bool = False,  # with new_in_registers: block table entries read a tile ahead
+    max_registers: int | None = None,  # per thread (ptxas's maxnreg): more programs resident per SM
 ) -> torch.Tensor:
     """triton_kernels.qk_rope_write_kv followed by paged_decode_attention (no split, no shared
     prefix), in one kernel; returns [B, Hq * D]."""
@@ -389,5 +462,7 @@ def rope_paged_decode_attention(
         HQ=num_heads, HKV=num_kv_heads, GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)),
         D=head_dim, HALF=half, HALF_P=triton.next_power_of_2(half), BS=k_cache.shape[2], TILE=tile,
         IEEE=q.dtype == torch.float32, HAS_NORM=has_norm, num_warps=num_warps, num_stages=num_stages,
+        NEW_IN_REGISTERS=new_in_registers and half & (half - 1) == 0, PREFETCH_TABLE=prefetch_table,
+        **({} if max_registers is None else dict(maxnreg=max_registers)),
     )  # fmt: skip
     return out

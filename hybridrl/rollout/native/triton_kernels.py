@@ -101,13 +101,15 @@ def _rope_write_kv(
     HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr, HAS_NORM: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
     """Norms (if any) and rotates `row`'s new key for KV heads `heads` ([H, 1], or one head as a
-    scalar; `mask` [H or 1, HALF_P]) and writes it and the new value into the cache slot of `pos`."""
+    scalar; `mask` [H or 1, HALF_P]) and writes it and the new value into the cache slot of `pos`;
+    returns the rotated key's halves and the value's, as written."""
     off = heads * D + hd[None, :]
     k1 = tl.load(k_ptr + row * k_stride + off, mask=mask, other=0.0).to(tl.float32)
     k2 = tl.load(k_ptr + row * k_stride + off + HALF, mask=mask, other=0.0).to(tl.float32)
     o1, o2 = _rms_rope_heads(k1, k2, kn_ptr, c, s, hd, hd_mask, eps, D, HALF, HAS_NORM, DTYPE)
     block = tl.load(bt_ptr + row * bt_stride + pos // BS).to(tl.int64)
-    _store_kv(k_cache_ptr, v_cache_ptr, v_ptr, v_stride, row, block, pos % BS, heads, off, o1, o2, mask, hd, HKV, D, HALF, BS, DTYPE)
+    v1, v2 = _store_kv(k_cache_ptr, v_cache_ptr, v_ptr, v_stride, row, block, pos % BS, heads, off, o1, o2, mask, hd, HKV, D, HALF, BS, DTYPE)
+    return o1, o2, v1, v2
 
 
 @triton.jit
@@ -116,7 +118,7 @@ def _store_kv(
     HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
     """Writes a token's rotated key halves (k1, k2) and its value (row `row` of v, heads at `off`)
-    into place `in_block` of cache block `block`, for KV heads `heads`."""
+    into place `in_block` of cache block `block`, for KV heads `heads`; returns the value's halves."""
     c_off = ((block * HKV + heads) * BS + in_block) * D + hd[None, :]
     tl.store(k_cache_ptr + c_off, k1.to(DTYPE), mask=mask)
     tl.store(k_cache_ptr + c_off + HALF, k2.to(DTYPE), mask=mask)
@@ -124,6 +126,7 @@ def _store_kv(
     v2 = tl.load(v_ptr + row * v_stride + off + HALF, mask=mask, other=0.0)
     tl.store(v_cache_ptr + c_off, v1.to(DTYPE), mask=mask)
     tl.store(v_cache_ptr + c_off + HALF, v2.to(DTYPE), mask=mask)
+    return v1, v2
 
 
 @triton.jit
