@@ -62,7 +62,9 @@ def logprob_diff(model, prompts, outs, limit: int) -> tuple[float, float]:
     return d.mean().item(), d.max().item()
 
 
-def run_native(model, request, device, args, tile: int, warps: int, split: int, cascade: bool = False, stages: int = 2) -> dict:
+def run_native(model, request, device, args, tile: int | None = None, warps: int = 4, split: int = 0, cascade: bool = False,
+               stages: int | None = None, fused: str = "auto", max_registers: int | None = None) -> dict:  # fmt: skip
+    """One engine's rollouts; the attention settings left None / "auto" are the engine's own (TritonOps)."""
     backend = NativeBackend(model, max_num_seqs=max(args.max_num_seqs, len(request.prompt_ids) * request.n),
                             shared_prefix_attention=cascade, shared_prefix_splits=args.prefix_splits)  # fmt: skip
     if device == "cuda":
@@ -70,6 +72,10 @@ def run_native(model, request, device, args, tile: int, warps: int, split: int, 
         backend.decoder.ops.attention_warps = warps
         backend.decoder.ops.attention_split = split
         backend.decoder.ops.attention_stages = stages
+        if fused != "auto":
+            backend.decoder.ops.new_token_in_registers = fused != "staged"
+            backend.decoder.ops.prefetch_table = fused == "prefetch"
+        backend.decoder.ops.attention_max_registers = max_registers
         torch.cuda.reset_peak_memory_stats()
         matmul_once(device)  # cuBLAS's workspace exists before and after, as in a trainer
         before = torch.cuda.memory_allocated()
@@ -87,7 +93,7 @@ def run_native(model, request, device, args, tile: int, warps: int, split: int, 
         outs = backend.generate(request)
         sync(device)
         times.append(time.perf_counter() - t0)
-    figures = {"attn_tile": tile, "attn_warps": warps, "attn_split": split, "attn_stages": stages, "shared_prefix": cascade, "cold_s": cold_s, "time_s": min(times), "times_s": times}
+    figures = {"attn_tile": tile, "attn_warps": warps, "attn_split": split, "attn_stages": stages, "attn_max_registers": max_registers, "fused": fused, "shared_prefix": cascade, "cold_s": cold_s, "time_s": min(times), "times_s": times}
     if cascade:
         figures["prefix_splits"] = args.prefix_splits  # 0: chosen per batch
     figures["tokens"] = sum(len(o.response_ids) for o in outs)
@@ -171,8 +177,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--sleep-between", action="store_true", help="sleep() before each timed run, as a trainer does between steps")
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--attn", default="128:4:0",
-                    help="attention settings to try, tile:warps:split_tokens[:stages], comma-separated (split 0: none; stages default 2)")
+    ap.add_argument("--attn", default="auto",
+                    help="attention settings to try, comma-separated: auto (the engine's, by head dim) or "
+                         "tile:warps:split_tokens[:stages[:registers]] (split 0: none; stages default: the engine's; "
+                         "registers: the fused kernel's cap per thread, default none)")
+    ap.add_argument("--fused", default="auto",
+                    help="forms of the fused rotary + attention kernel to try, comma-separated: auto (the engine's, by head "
+                         "dim), staged (queries staged in memory, the new token read from the cache), registers (the new "
+                         "token attended from registers), prefetch (registers, block table read a tile ahead)")
     ap.add_argument("--shared-prefix", choices=["off", "on", "both"], default="off",
                     help="cascade attention over each prompt's shared KV blocks (rollout.shared_prefix_attention)")
     ap.add_argument("--prefix-splits", type=int, default=0,
@@ -200,13 +212,16 @@ def main() -> None:
                                 temperature=1.0, seed=0, stop_token_ids=[])  # fmt: skip
     runs = []
     cascades = {"off": [False], "on": [True], "both": [False, True]}[args.shared_prefix]
-    for setting, cascade in ((a, c) for a in args.attn.split(",") for c in cascades):
-        tile, warps, split, *rest = map(int, setting.split(":"))
-        stages = rest[0] if rest else 2
-        runs.append(run_native(model, request, device, args, tile, warps, split, cascade, stages))
+    settings = ((a, c, f) for a in args.attn.split(",") for c in cascades for f in args.fused.split(","))
+    for setting, cascade, fused in settings:
+        tile, warps, split, *rest = (None, 4, 0) if setting == "auto" else map(int, setting.split(":"))
+        stages = rest[0] if rest else None
+        regs = rest[1] if len(rest) > 1 else None
+        runs.append(run_native(model, request, device, args, tile, warps, split, cascade, stages, fused, regs))
         r = runs[-1]
         shared = f"on, splits {args.prefix_splits or 'auto'}" if cascade else "off"
-        print(f"[{size}] native attention tile={tile} warps={warps} split={split} stages={stages} shared_prefix={shared}: "
+        print(f"[{size}] native attention tile={tile or 'auto'} warps={warps} split={split} stages={stages or 'auto'} registers={regs} "
+              f"fused={fused} shared_prefix={shared}: "
               f"{r['tokens_per_s']:,.0f} tokens/s (runs {['%.3f' % t for t in r['times_s']]} s), "
               f"logprob diff mean {r['logprob_diff_mean']:.4e}")
     native = max(runs, key=lambda r: r["tokens_per_s"])
