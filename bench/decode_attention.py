@@ -30,34 +30,13 @@ import json
 
 import torch
 
+from decode_gemm import HBM_BYTES_PER_S, time_graph  # bench/ is on the path when a bench script runs
+
 SHAPES = {  # (heads, kv heads, head dim, layers)
     "0.5B": (14, 2, 64, 24),
     "1.5B": (12, 2, 128, 28),
 }
-HBM_BYTES_PER_S = 4.8e12
 BLOCK = 16  # the engine's tokens per cache block
-
-
-def time_graph(fn, reps: int = 20) -> float:
-    """Milliseconds per replay of a CUDA graph of `fn`, best of `reps` (after warm-up)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    best = float("inf")
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b))
-    return best
 
 
 def compiled(kernels) -> dict:
