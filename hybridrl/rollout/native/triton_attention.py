@@ -30,16 +30,6 @@ def _tile_blocks(bt_ptr, bt_stride, row, ctx, start, BS: tl.constexpr, TILE: tl.
 
 
 @triton.jit
-def _attend_tile(
-    q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, ctx, start, m_i, l_i, acc, scale_log2,
-    HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
-    """One online-softmax update with the TILE tokens from `start` (gathered via the table)."""
-    block = _tile_blocks(bt_ptr, bt_stride, row, ctx, start, BS, TILE)
-    return _attend_blocks(q, k_ptr, v_ptr, block, kvh, ctx, start, m_i, l_i, acc, scale_log2, HKV, D, BS, TILE, IEEE)
-
-
-@triton.jit
 def _attend_blocks(
     q, k_ptr, v_ptr, block, kvh, ctx, start, m_i, l_i, acc, scale_log2,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
@@ -69,52 +59,50 @@ def _attend_blocks(
 
 
 @triton.jit
-def _attend_range(
-    q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, lo, hi, m_i, l_i, acc, scale_log2,
-    SPAN: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
+def _attend_step(
+    q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, hi, start, block, m_i, l_i, acc, scale_log2,
+    HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
-    """The online softmax over tokens [lo, hi) of `row`'s table, TILE at a time. Triton's CPU
-    interpreter cannot loop to a run-time bound: there, it loops over SPAN (>= hi - lo) tokens
-    from lo; tiles past hi are fully masked and leave the softmax state unchanged."""
-    if DYNAMIC_LOOP:
-        for start in range(lo, hi, TILE):
-            m_i, l_i, acc = _attend_tile(
-                q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, hi, start, m_i, l_i, acc, scale_log2,
-                HKV, D, BS, TILE, IEEE,
-            )  # fmt: skip
+    """One online-softmax update with the TILE tokens from `start`. Returns the new state and the
+    cache blocks of the next tile: with PREFETCH, `block` holds this tile's (read an iteration
+    earlier) and the next tile's are read now; otherwise this tile's are read here."""
+    if PREFETCH:
+        following = _tile_blocks(bt_ptr, bt_stride, row, hi, start + TILE, BS, TILE)
     else:
-        for start in tl.static_range(0, SPAN, TILE):
-            m_i, l_i, acc = _attend_tile(
-                q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, hi, lo + start, m_i, l_i, acc, scale_log2,
-                HKV, D, BS, TILE, IEEE,
-            )  # fmt: skip
-    return m_i, l_i, acc
+        block = _tile_blocks(bt_ptr, bt_stride, row, hi, start, BS, TILE)
+        following = block
+    m_i, l_i, acc = _attend_blocks(q, k_ptr, v_ptr, block, kvh, hi, start, m_i, l_i, acc, scale_log2, HKV, D, BS, TILE, IEEE)
+    return m_i, l_i, acc, following
 
 
 @triton.jit
-def _attend_range_prefetched(
+def _attend_range(
     q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, lo, hi, m_i, l_i, acc, scale_log2,
     SPAN: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
+    BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
-    """_attend_range reading each tile's block table entries one tile ahead: a tile's K / V
-    addresses then depend on a value the loop carries in, not on a load of the same iteration."""
-    block = _tile_blocks(bt_ptr, bt_stride, row, hi, lo, BS, TILE)
+    """The online softmax over tokens [lo, hi) of `row`'s table, TILE at a time. PREFETCH reads
+    each tile's block table entries one tile ahead, so a tile's K / V addresses depend on a value
+    the loop carries in, not on a load of the same iteration. Triton's CPU interpreter cannot loop
+    to a run-time bound: there, it loops over SPAN (>= hi - lo) tokens from lo; tiles past hi are
+    fully masked and leave the softmax state unchanged."""
+    if PREFETCH:
+        block = _tile_blocks(bt_ptr, bt_stride, row, hi, lo, BS, TILE)
+    else:
+        block = tl.zeros([TILE], tl.int64)  # replaced by each step's own read before any use
     if DYNAMIC_LOOP:
         for start in range(lo, hi, TILE):
-            following = _tile_blocks(bt_ptr, bt_stride, row, hi, start + TILE, BS, TILE)
-            m_i, l_i, acc = _attend_blocks(
-                q, k_ptr, v_ptr, block, kvh, hi, start, m_i, l_i, acc, scale_log2, HKV, D, BS, TILE, IEEE
-            )
-            block = following
+            m_i, l_i, acc, block = _attend_step(
+                q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, hi, start, block, m_i, l_i, acc, scale_log2,
+                HKV, D, BS, TILE, IEEE, PREFETCH,
+            )  # fmt: skip
     else:
         for start in tl.static_range(0, SPAN, TILE):
-            following = _tile_blocks(bt_ptr, bt_stride, row, hi, lo + start + TILE, BS, TILE)
-            m_i, l_i, acc = _attend_blocks(
-                q, k_ptr, v_ptr, block, kvh, hi, lo + start, m_i, l_i, acc, scale_log2, HKV, D, BS, TILE, IEEE
-            )
-            block = following
+            m_i, l_i, acc, block = _attend_step(
+                q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, hi, lo + start, block, m_i, l_i, acc, scale_log2,
+                HKV, D, BS, TILE, IEEE, PREFETCH,
+            )  # fmt: skip
     return m_i, l_i, acc
 
 
@@ -166,7 +154,7 @@ def _paged_decode_kernel(
         pre = 0
     m_i, l_i, acc = _attend_range(
         q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, pre, ctx, m_i, l_i, acc, scale_log2,
-        MAX_CTX, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE,
+        MAX_CTX, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE, False,
     )  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
@@ -189,7 +177,7 @@ def _rope_paged_decode_kernel(
     NEW_IN_REGISTERS (HALF a power of two): the rotated queries stay in registers, and the new
     token is attended from the registers that wrote it, before the cached tokens; nothing this
     program wrote is read back, so no barrier waits for the stores. PREFETCH_TABLE then reads the
-    block table a tile ahead (_attend_range_prefetched). Otherwise the rotated queries are staged
+    block table a tile ahead (_attend_range's PREFETCH). Otherwise the rotated queries are staged
     in the row's output slot (overwritten by the result) and the loop reads the new token from the
     cache. Which is faster depends on the head dim: ops_triton.TritonOps picks."""
     k_cache_ptr, v_cache_ptr = _cache_pointers(k_cache_ptr, v_cache_ptr, kv_off_ptr, KV_TABLE)
@@ -228,16 +216,10 @@ def _rope_paged_decode_kernel(
         ones = tl.full([GROUP_P, 1], 1.0, tl.float32)
         acc = tl.reshape(tl.permute(tl.join(ones * nv1.to(tl.float32), ones * nv2.to(tl.float32)), (0, 2, 1)), (GROUP_P, D))
         q = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (GROUP_P, D))  # [q1 | q2] per head
-        if PREFETCH_TABLE:
-            m_i, l_i, acc = _attend_range_prefetched(  # the cached tokens before the new one
-                q, k_cache_ptr, v_cache_ptr, bt_ptr, bt_stride, row, kvh, 0, pos, m_i, l_i, acc, scale_log2,
-                MAX_CTX, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE,
-            )  # fmt: skip
-        else:
-            m_i, l_i, acc = _attend_range(  # the cached tokens before the new one
-                q, k_cache_ptr, v_cache_ptr, bt_ptr, bt_stride, row, kvh, 0, pos, m_i, l_i, acc, scale_log2,
-                MAX_CTX, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE,
-            )  # fmt: skip
+        m_i, l_i, acc = _attend_range(  # the cached tokens before the new one
+            q, k_cache_ptr, v_cache_ptr, bt_ptr, bt_stride, row, kvh, 0, pos, m_i, l_i, acc, scale_log2,
+            MAX_CTX, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE, PREFETCH_TABLE,
+        )  # fmt: skip
     else:
         tl.debug_barrier()  # the stores above are read below by other threads of this program
         q = tl.load(out_row + q_off, mask=g_mask[:, None], other=0.0)  # [GP, D]
@@ -246,7 +228,7 @@ def _rope_paged_decode_kernel(
         acc = tl.zeros([GROUP_P, D], tl.float32)
         m_i, l_i, acc = _attend_range(
             q, k_cache_ptr, v_cache_ptr, bt_ptr, bt_stride, row, kvh, 0, pos + 1, m_i, l_i, acc, scale_log2,
-            MAX_CTX, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE,
+            MAX_CTX, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE, False,
         )  # fmt: skip
         tl.debug_barrier()  # every thread has read the staged queries before the result replaces them
     out = acc / l_i[:, None]
@@ -293,7 +275,7 @@ def _shared_prefix_kernel(
     acc = tl.zeros([MEMBERS * GROUP_P, D], tl.float32)
     m_i, l_i, acc = _attend_range(
         q, k_ptr, v_ptr, bt_ptr, bt_stride, first, kvh, lo, hi, m_i, l_i, acc, scale_log2,
-        SPAN, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE,
+        SPAN, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE, False,
     )  # fmt: skip
     part = head * NSPLIT + split
     tl.store(pacc_ptr + part[:, None] * D + d[None, :], acc, mask=valid[:, None])
@@ -328,7 +310,7 @@ def _paged_decode_split_kernel(
     acc = tl.zeros([GROUP_P, D], tl.float32)
     m_i, l_i, acc = _attend_range(
         q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, lo, hi, m_i, l_i, acc, scale_log2,
-        SPLIT, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE,
+        SPLIT, DYNAMIC_LOOP, HKV, D, BS, TILE, IEEE, False,
     )  # fmt: skip
     part = head * NSPLIT + split  # [GP]
     tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=g_mask[:, None])
