@@ -89,7 +89,12 @@ def test_every_step_record_says_what_compiled_and_a_later_step_that_compiles_is_
         trainer.fit(stop_when=compile_in_step_2)
     records = read_records(trainer.metrics.path)
     assert [r["step"] for r in records] == [1, 2]
-    assert records[0]["perf/compiles/graphs"] == 0 and records[0]["perf/compile_s"] == 0  # this small run compiles nothing
+    # This small run compiles no torch.compile graph. On a GPU its first step compiles the native
+    # engine's Triton kernels (on CPU the engine runs PyTorch ops): compile time iff something compiled.
+    assert records[0]["perf/compiles/graphs"] == 0
+    assert (records[0]["perf/compile_s"] > 0) == (records[0]["perf/compiles/triton"] > 0)
+    if not torch.cuda.is_available():
+        assert records[0]["perf/compiles/triton"] == 0 and records[0]["perf/compile_s"] == 0
     assert records[1]["perf/compiles/graphs"] == 1 and records[1]["perf/compile_s"] > 0
-    assert all(r["perf/compiles/triton"] == 0 for r in records)
+    assert records[1]["perf/compiles/triton"] == 0  # every kernel of step 2 was compiled in step 1
     assert any("step 2 spent" in m and "compiling: 1 torch.compile graph(s)" in m for m in caplog.messages)
