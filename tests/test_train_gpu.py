@@ -56,6 +56,32 @@ def test_triton_kernels_match_the_torch_reference(dtype, inv_temp, grads):
     torch.testing.assert_close(got, want, **tol)
 
 
+@pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+def test_triton_stats_where_the_row_maximum_moves_across_blocks():
+    """The statistics kernel keeps a softmax state per lane and merges them at the end: rows whose
+    maximum sits in the first column, the last block, or rises block after block must give the
+    reference's log-sum-exp, log-prob and entropy, also with a padded last block."""
+    pytest.importorskip("triton")
+    from hybridrl.train import triton_logprobs
+
+    device = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(3)
+    V = 2 * triton_logprobs.STATS_BLOCK_V + 77  # three blocks, the last one padded
+    logits = torch.randn(5, V, generator=g, dtype=torch.float64) * 3
+    logits[0, 0] = 60.0  # the maximum first: every later element adds below it
+    logits[1, -1] = 60.0  # the maximum in the padded last block: every lane rescales
+    logits[2] += torch.linspace(-40, 40, V, dtype=torch.float64)  # rising: a new maximum in each block
+    logits[3] = -30.0  # all equal
+    logits[4, ::2] = -1e4  # half the columns with no weight
+    labels = torch.tensor([0, V - 1, V // 2, 5, 1])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(device, dtype)
+        got = triton_logprobs.logit_stats(x, labels.to(device), 1.0)
+        want = logit_stats_torch(x.double(), labels.to(device), 1.0)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.double(), b, atol=2e-4, rtol=1e-5)
+
+
 def _model(dtype):
     config = transformers.Qwen2Config(vocab_size=3000, hidden_size=448, intermediate_size=512, num_hidden_layers=3,
                                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048,

@@ -15,8 +15,10 @@ try:
 except ImportError:  # CPU-only installs: lm_head.py uses the PyTorch path
     triton = None
 
-BLOCK_V = 4096
+BLOCK_V = 4096  # the gradient kernel's columns per iteration
+STATS_BLOCK_V = 2048  # the statistics kernel's (H200, 1024 x 151936 bf16: 124 us against 126 at 4096)
 NUM_WARPS = 8
+GRAD_NUM_WARPS = 16  # (the same: 169 us against 180 with 8 warps)
 
 
 def available() -> bool:
@@ -27,27 +29,36 @@ if triton is not None:
 
     @triton.jit
     def _stats_kernel(logits_ptr, stride, labels_ptr, lse_ptr, lp_ptr, ent_ptr, inv_temp, V: tl.constexpr, BLOCK: tl.constexpr):
+        # Each lane keeps its own online-softmax state over the columns it reads, in log2 units
+        # (y = z * log2(e)): max m, sum of 2^(y - m), sum of 2^(y - m) * y. Nothing is reduced across
+        # the program until the end, and one exp2 per element (2^-|y - m| serves both cases: a new
+        # lane maximum rescales the sums, any other element adds to them).
+        LN2: tl.constexpr = 0.6931471805599453
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
-        m = tl.full((), float("-inf"), tl.float32)  # running max of z
-        s = tl.zeros((), tl.float32)  # sum exp(z - m)
-        a = tl.zeros((), tl.float32)  # sum exp(z - m) * z
+        to_log2 = inv_temp * 1.4426950408889634
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+        a = tl.zeros([BLOCK], tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             valid = cols < V
-            z = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
-            m_new = tl.maximum(m, tl.max(z, 0))
-            scale = tl.exp(m - m_new)
-            e = tl.where(valid, tl.exp(z - m_new), 0.0)
-            s = s * scale + tl.sum(e, 0)
-            a = a * scale + tl.sum(tl.where(valid, e * z, 0.0), 0)
-            m = m_new
-        lse = m + tl.log(s)
+            y = tl.load(base + cols, mask=valid, other=0.0).to(tl.float32) * to_log2
+            d = tl.where(valid, y - m, float("-inf"))  # +inf at a lane's first element
+            up = d > 0
+            t = tl.exp2(-tl.abs(d))  # 0 for padding (and for a lane's first element)
+            s = tl.where(up, s * t + 1.0, s + t)
+            a = tl.where(up, a * t + y, a + t * y)
+            m = tl.where(up, y, m)
+        m_row = tl.max(m, 0)
+        w = tl.exp2(m - m_row)  # 0 for a lane that read no column
+        s_row = tl.sum(s * w, 0)
+        lse = (m_row + tl.log2(s_row)) * LN2
         label = tl.load(labels_ptr + row)
         z_label = tl.load(base + label).to(tl.float32) * inv_temp
         tl.store(lse_ptr + row, lse)
         tl.store(lp_ptr + row, z_label - lse)
-        tl.store(ent_ptr + row, lse - a / s)
+        tl.store(ent_ptr + row, lse - tl.sum(a * w, 0) / s_row * LN2)
 
     @triton.jit
     def _grad_kernel(
@@ -87,7 +98,9 @@ def logit_stats(logits: torch.Tensor, labels: torch.Tensor, inv_temp: float, out
     lse, lp, ent = out
     assert all(t.dtype == torch.float32 and t.is_contiguous() and t.numel() == rows for t in out)
     if rows:
-        _stats_kernel[(rows,)](logits, logits.stride(0), labels, lse, lp, ent, inv_temp, V=V, BLOCK=BLOCK_V, num_warps=NUM_WARPS)
+        _stats_kernel[(rows,)](
+            logits, logits.stride(0), labels, lse, lp, ent, inv_temp, V=V, BLOCK=STATS_BLOCK_V, num_warps=NUM_WARPS
+        )
     return lse, lp, ent
 
 
@@ -101,6 +114,6 @@ def logit_grad_(logits: torch.Tensor, labels, lse, entropy, g_lp, g_ent, inv_tem
     if rows:
         _grad_kernel[(rows,)](
             logits, logits.stride(0), labels, lse, entropy, g_lp_f, g_ent_f, inv_temp, V=V,
-            HAS_LP=g_lp is not None, HAS_ENT=g_ent is not None, BLOCK=BLOCK_V, num_warps=NUM_WARPS,
+            HAS_LP=g_lp is not None, HAS_ENT=g_ent is not None, BLOCK=BLOCK_V, num_warps=GRAD_NUM_WARPS,
         )  # fmt: skip
     return logits
