@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-HBM_BYTES_PER_S = 4.8e12  # H200
+from decode_gemm import HBM_BYTES_PER_S  # bench/ is on the path when a bench script runs
 
 
 def time_us(fn, reps: int = 50) -> float:
