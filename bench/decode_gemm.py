@@ -1,6 +1,7 @@
 """The decode step's matrix products at their real shapes: cuBLAS against inductor's autotuned kernels.
 
     python bench/decode_gemm.py [--size 0.5B] [--rows 256] [--no-autotune] [--split-k 2,4,8] [--hot]
+    python bench/decode_gemm.py --lt 16 [--size 0.5B] [--rows 256] [--lt-sm-targets 0,128]
 
 One decode step of the native engine multiplies `rows` activations by each layer's fused q|k|v,
 o_proj, fused gate|up and down_proj weights, then by the lm_head. Each shape is timed as in the
@@ -9,6 +10,9 @@ from HBM, not L2), best of a few replays; the table gives microseconds per produ
 of the HBM bandwidth its weight bytes would need (the memory floor). `--hot` replays the product
 over one weight instead, which then stays in L2: the difference is what reading the weights from
 HBM costs each product.
+
+`--lt N` times cuBLASLt's first N heuristic candidates for each product instead (the first is the
+one PyTorch runs; hybridrl/rollout/native/cublaslt.py), q|k|v with its bias as the engine runs it.
 """
 
 from __future__ import annotations
@@ -68,7 +72,12 @@ def main(argv=None):
                     "instead of each layer's own")
     ap.add_argument("--blas", choices=["cublas", "cublaslt"], default=None,
                     help="the BLAS library PyTorch's bf16 products go through (torch.backends.cuda.preferred_blas_library); default: PyTorch's")
+    ap.add_argument("--lt", type=int, default=0, help="time cuBLASLt's first N heuristic candidates per product instead")
+    ap.add_argument("--lt-sm-targets", default="0", help="with --lt: also ask the heuristic to plan for these SM counts "
+                    "(comma-separated; 0 = the device's)")
     args = ap.parse_args(argv)
+    if args.lt:
+        return lt_table(args)
     if args.blas and torch.cuda.is_available():
         torch.backends.cuda.preferred_blas_library(args.blas)
     H, I, nh, nkv, hd, L, V = SHAPES[args.size]
@@ -124,6 +133,42 @@ def main(argv=None):
         print(f"| {name} | {N} x {K} | {cublas:.2f} | {'-' if auto is None else f'{auto:.2f}'} |{split_txt} {floor:.2f} |")
         del ws
     print(f"| per decode step | | {total[0]:.1f} | {total[1]:.1f} | {total[2]:.1f} |")
+
+
+def lt_table(args) -> None:
+    """cuBLASLt's candidates per decode product, timed as the engine runs them; the fastest against PyTorch's."""
+    from hybridrl.rollout.native.cublaslt import LtProduct, choose
+
+    H, I, nh, nkv, hd, L, V = SHAPES[args.size]
+    M = args.rows
+    shapes = {"qkv": ((nh + 2 * nkv) * hd, H, L), "o_proj": (H, nh * hd, L), "gate_up": (2 * I, H, L), "down": (H, I, L), "lm_head": (V, H, 1)}
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    print(f"[{args.size}] rows {M}: microseconds per product, each layer's own weight, in one CUDA graph")
+    total_torch = total_best = 0.0
+    for name, (N, K, copies) in shapes.items():
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        bs = [torch.randn(N, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)] if name == "qkv" else None
+
+        def torch_fn():
+            for i, w in enumerate(ws):
+                F.linear(x, w, None if bs is None else bs[i])
+
+        base = time_graph(torch_fn) * 1e3 / copies
+        targets = tuple(int(t) for t in args.lt_sm_targets.split(","))
+        product = LtProduct(M, N, K, torch.bfloat16, bias=bs is not None, max_candidates=args.lt, sm_targets=targets)
+        timed = choose(product, x, ws, bs)
+        best_c, best_us = timed[0]
+        first = next((us for c, us in timed if c.index == 0 and c.sm_target == 0), float("nan"))
+        total_torch += base * copies
+        total_best += min(base, best_us) * copies
+        print(f"{name} {N} x {K}: PyTorch {base:.2f} us, candidate #0 {first:.2f} us, best {best_us:.2f} us "
+              f"({len(product.candidates)} candidates, {len(timed)} correct)")
+        for c, us in timed[:6]:
+            print(f"    {us:7.2f} us  {c.describe()}")
+        del ws
+    print(f"per decode step: PyTorch {total_torch:.1f} us, best candidates {total_best:.1f} us")
 
 
 if __name__ == "__main__":

@@ -63,10 +63,11 @@ def logprob_diff(model, prompts, outs, limit: int) -> tuple[float, float]:
 
 
 def run_native(model, request, device, args, tile: int | None = None, warps: int = 4, split: int = 0, cascade: bool = False,
-               stages: int | None = None, fused: str = "auto", max_registers: int | None = None) -> dict:  # fmt: skip
+               stages: int | None = None, fused: str = "auto", max_registers: int | None = None, tuned: bool = True) -> dict:  # fmt: skip
     """One engine's rollouts; the attention settings left None / "auto" are the engine's own (TritonOps)."""
     backend = NativeBackend(model, max_num_seqs=max(args.max_num_seqs, len(request.prompt_ids) * request.n),
-                            shared_prefix_attention=cascade, shared_prefix_splits=args.prefix_splits)  # fmt: skip
+                            shared_prefix_attention=cascade, shared_prefix_splits=args.prefix_splits,
+                            tuned_products=tuned)  # fmt: skip
     if device == "cuda":
         backend.decoder.ops.attention_tile = tile
         backend.decoder.ops.attention_warps = warps
@@ -93,7 +94,11 @@ def run_native(model, request, device, args, tile: int | None = None, warps: int
         outs = backend.generate(request)
         sync(device)
         times.append(time.perf_counter() - t0)
-    figures = {"attn_tile": tile, "attn_warps": warps, "attn_split": split, "attn_stages": stages, "attn_max_registers": max_registers, "fused": fused, "shared_prefix": cascade, "cold_s": cold_s, "time_s": min(times), "times_s": times}
+    if backend.decoder.products is not None:
+        for (rows, n, k, bias, *_), r in backend.decoder.products.report.items():
+            print(f"    tuned product {rows} x {n} x {k}{' + bias' if bias else ''}: PyTorch {r['torch_us']:.2f} us, "
+                  f"best {r.get('best_us', float('nan')):.2f} us -> {r.get('choice', r.get('error'))}")
+    figures = {"tuned_products": tuned, "attn_tile": tile, "attn_warps": warps, "attn_split": split, "attn_stages": stages, "attn_max_registers": max_registers, "fused": fused, "shared_prefix": cascade, "cold_s": cold_s, "time_s": min(times), "times_s": times}
     if cascade:
         figures["prefix_splits"] = args.prefix_splits  # 0: chosen per batch
     figures["tokens"] = sum(len(o.response_ids) for o in outs)
@@ -189,6 +194,9 @@ def main() -> None:
                     help="cascade attention over each prompt's shared KV blocks (rollout.shared_prefix_attention)")
     ap.add_argument("--prefix-splits", type=int, default=0,
                     help="with --shared-prefix: programs per prompt's shared prefix (0: chosen per batch, SharedPrefix.splits)")
+    ap.add_argument("--tuned-products", default="on",
+                    help="decode products through the cuBLASLt algorithm timed fastest per shape (rollout.tuned_products): "
+                         "on, off, or a comma-separated sequence of them to run in turn")
     ap.add_argument("--sampler-sweep", action="store_true", help="time the sampling kernel's chunk / warp settings")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of eager decode steps")
     ap.add_argument("--logprob-seqs", type=int, default=16)
@@ -212,16 +220,17 @@ def main() -> None:
                                 temperature=1.0, seed=0, stop_token_ids=[])  # fmt: skip
     runs = []
     cascades = {"off": [False], "on": [True], "both": [False, True]}[args.shared_prefix]
-    settings = ((a, c, f) for a in args.attn.split(",") for c in cascades for f in args.fused.split(","))
-    for setting, cascade, fused in settings:
+    tuned_runs = [t == "on" for t in args.tuned_products.split(",")]
+    settings = ((a, c, f, t) for t in tuned_runs for a in args.attn.split(",") for c in cascades for f in args.fused.split(","))
+    for setting, cascade, fused, tuned in settings:
         tile, warps, split, *rest = (None, 4, 0) if setting == "auto" else map(int, setting.split(":"))
         stages = rest[0] if rest else None
         regs = rest[1] if len(rest) > 1 else None
-        runs.append(run_native(model, request, device, args, tile, warps, split, cascade, stages, fused, regs))
+        runs.append(run_native(model, request, device, args, tile, warps, split, cascade, stages, fused, regs, tuned))
         r = runs[-1]
         shared = f"on, splits {args.prefix_splits or 'auto'}" if cascade else "off"
         print(f"[{size}] native attention tile={tile or 'auto'} warps={warps} split={split} stages={stages or 'auto'} registers={regs} "
-              f"fused={fused} shared_prefix={shared}: "
+              f"fused={fused} shared_prefix={shared} tuned_products={'on' if tuned else 'off'}: "
               f"{r['tokens_per_s']:,.0f} tokens/s (runs {['%.3f' % t for t in r['times_s']]} s), "
               f"logprob diff mean {r['logprob_diff_mean']:.4e}")
     native = max(runs, key=lambda r: r["tokens_per_s"])

@@ -52,6 +52,9 @@ class RolloutConfig:
     # native engine on CUDA: cascade attention, the n samples of a prompt read its shared KV blocks once per
     # decode step instead of n times (off until its speed is measured on a GPU; the results are the same)
     shared_prefix_attention: bool = False
+    # native engine on CUDA: each decode product through the cuBLASLt algorithm timed fastest for its shape
+    # (once, before the first decode graph), PyTorch's pick where none is faster
+    tuned_products: bool = True
     eval_temperature: float = 0.0  # temperature for evaluation (0: greedy accuracy)
 
 

@@ -61,6 +61,10 @@ class NativeBackend:
         # KV cache through an address table (kv_cache.CacheAddresses). Captured again only when
         # another address they baked in changed (e.g. a weight tensor replaced).
         keep_graphs: bool = True,
+        # CUDA: each decode product through the cuBLASLt algorithm that ran fastest for its shape over
+        # the layers' own weights (timed once per shape before the first graph capture; cublaslt.py),
+        # PyTorch's pick where none beat it. Same products; a different split of K can round differently.
+        tuned_products: bool = True,
     ):
         if not 0.0 < kv_cache_fraction < 1.0:
             raise ValueError(f"kv_cache_fraction ({kv_cache_fraction}) must be in (0, 1)")
@@ -74,6 +78,11 @@ class NativeBackend:
         else:
             ops = TorchOps()
         self.decoder = NativeDecoder(self.weights, ops, fp32_residual=fp32_residual)
+        self.tuned_products = tuned_products and self.on_cuda
+        if self.tuned_products:
+            from .cublaslt import TunedProducts
+
+            self.decoder.products = TunedProducts()
         self.kv_cache_fraction = kv_cache_fraction
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
@@ -93,7 +102,8 @@ class NativeBackend:
         self.cache: PagedKVCache | None = None
         self.state: DecodeState | None = None
         self.stats: dict[str, float] = {}  # where the last generate() spent its time (generate's docstring)
-        self.graphs = DecodeGraphs(self._graph_step, self._snapshot, self._restore, buckets)
+        prepare = self.decoder.tune_products if self.tuned_products else None
+        self.graphs = DecodeGraphs(self._graph_step, self._snapshot, self._restore, buckets, prepare=prepare)
         self._graph_key: tuple | None = None  # addresses the captured graphs were built on
 
     @staticmethod
@@ -321,6 +331,8 @@ class NativeBackend:
         if self.use_graphs:
             self.graphs.run(batch, params, num_steps)
         else:
+            if self.tuned_products:
+                self.decoder.tune_products(batch)  # the products graphed steps of this size would run
             for _ in range(num_steps):
                 self.state.step(batch, self.decoder, self.cache, params)
 

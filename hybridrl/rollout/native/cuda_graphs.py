@@ -20,8 +20,10 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 
 
 
 class DecodeGraphs:
-    def __init__(self, step: Callable[[int, SamplingParams], None], snapshot, restore, buckets=DEFAULT_BUCKETS):
+    def __init__(self, step: Callable[[int, SamplingParams], None], snapshot, restore, buckets=DEFAULT_BUCKETS,
+                 prepare: Callable[[int], None] | None = None):  # fmt: skip
         self.step = step  # step(batch, params): one decode step over rows [0, batch)
+        self.prepare = prepare  # prepare(batch): before a bucket's first warm-up (e.g. choosing its products' algorithms)
         self.snapshot, self.restore = snapshot, restore  # undo the warm-up steps' state updates
         self.buckets = sorted(buckets)
         self.graphs: dict[tuple[int, SamplingParams], torch.cuda.CUDAGraph] = {}
@@ -52,6 +54,8 @@ class DecodeGraphs:
     def _capture(self, bucket: int, params: SamplingParams) -> torch.cuda.CUDAGraph:
         # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), restoring the
         # state after each step so that capture starts from the rows as they were.
+        if self.prepare is not None:
+            self.prepare(bucket)
         saved = self.snapshot()
         if self.stream is None:
             self.stream = torch.cuda.Stream()

@@ -26,27 +26,52 @@ class NativeDecoder:
         self.fused: FusedWeights | None = None  # q|k|v and gate|up copies for decode (fused.py)
         self.prefix = None  # SharedPrefix tables: cascade attention over shared prompts (shared_prefix.py)
         self.kv_table = None  # CacheAddresses: the cache ops find the KV cache through it (kv_cache.py)
+        # cublaslt.TunedProducts: the decode step's products through the cuBLASLt algorithm timed
+        # fastest for each shape (tune_products); None: F.linear (PyTorch's pick) everywhere.
+        self.products = None
 
     def prepare(self, max_positions: int) -> None:
         """(Re)builds the rope tables when longer contexts are needed than seen so far."""
         if self.cos is None or self.cos.shape[0] < max_positions:
             self.cos, self.sin = self.weights.rope_tables(max_positions)
 
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, w, b) if self.products is None else self.products.linear(x, w, b)
+
     def _qkv(self, h: torch.Tensor, layer: int, lw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A layer's q, k, v of rows h: one product of the fused q|k|v weight when there is one."""
+        linear = self._linear
         if self.fused is None:
-            return F.linear(h, lw.q_w, lw.q_b), F.linear(h, lw.k_w, lw.k_b), F.linear(h, lw.v_w, lw.v_b)
+            return linear(h, lw.q_w, lw.q_b), linear(h, lw.k_w, lw.k_b), linear(h, lw.v_w, lw.v_b)
         q_size, kv_size = self.spec.num_heads * self.spec.head_dim, self.spec.num_kv_heads * self.spec.head_dim
-        return F.linear(h, self.fused.qkv_w[layer], self.fused.qkv_b[layer]).split([q_size, kv_size, kv_size], -1)
+        return linear(h, self.fused.qkv_w[layer], self.fused.qkv_b[layer]).split([q_size, kv_size, kv_size], -1)
 
     def _mlp(self, h: torch.Tensor, layer: int, lw) -> torch.Tensor:
         """A layer's down(SiLU(gate) * up) of rows h, gate|up as one product when fused."""
-        fused = self.fused
+        fused, linear = self.fused, self._linear
         if fused is not None:
-            gate, up = F.linear(h, fused.gate_up_w[layer]).split([fused.inter, fused.inter], -1)
+            gate, up = linear(h, fused.gate_up_w[layer]).split([fused.inter, fused.inter], -1)
         else:
-            gate, up = F.linear(h, lw.gate_w), F.linear(h, lw.up_w)
-        return F.linear(self.ops.silu_mul(gate, up), lw.down_w)
+            gate, up = linear(h, lw.gate_w), linear(h, lw.up_w)
+        return linear(self.ops.silu_mul(gate, up), lw.down_w)
+
+    def tune_products(self, rows: int) -> None:
+        """Times the candidates for each product of a `rows`-row decode step (once per shape; see
+        cublaslt.TunedProducts). Call outside graph capture, before capturing that step."""
+        if self.products is None:
+            return
+        layers = list(self.weights.layers())
+        groups = [([lw.o_w for lw in layers], None if layers[0].o_b is None else [lw.o_b for lw in layers]),
+                  ([lw.down_w for lw in layers], None), ([self.weights.lm_head], None)]  # fmt: skip
+        if self.fused is not None:
+            groups += [(self.fused.qkv_w, self.fused.qkv_b if self.fused.has_bias else None), (self.fused.gate_up_w, None)]
+        else:
+            for name in ("q", "k", "v"):
+                b = getattr(layers[0], f"{name}_b")
+                groups.append(([getattr(lw, f"{name}_w") for lw in layers], None if b is None else [getattr(lw, f"{name}_b") for lw in layers]))
+            groups += [([lw.gate_w for lw in layers], None), ([lw.up_w for lw in layers], None)]
+        for weights, biases in groups:
+            self.products.tune(rows, weights, biases)
 
     @torch.no_grad()
     def prefill(
@@ -111,8 +136,8 @@ class NativeDecoder:
                 cache.k[layer], cache.v[layer], block_tables, spec.scaling, prefix=self.prefix,
                 kv_table=None if self.kv_table is None else self.kv_table.layer(layer),
             )  # fmt: skip
-            x = F.linear(attn, lw.o_w, lw.o_b)
+            x = self._linear(attn, lw.o_w, lw.o_b)
             h, residual = ops.add_rms_norm(x, residual, lw.post_norm, spec.rms_eps)
             x = self._mlp(h, layer, lw)
         h, _ = ops.add_rms_norm(x, residual, w.final_norm, spec.rms_eps)
-        return F.linear(h, w.lm_head)
+        return self._linear(h, w.lm_head)

@@ -1,0 +1,427 @@
+"""Matrix products through cuBLASLt with the algorithm chosen by timing, for the decode step's shapes.
+
+PyTorch's bf16 products run cuBLASLt's first heuristic answer. At the decode step's shapes (a few
+hundred rows against one layer's weight) that answer is a guess about a product that takes a few
+microseconds: at W0.5B's gate|up (256 x 9728 x 896) it picks 168 x 128 tiles, 152 of them on 132
+SMs, so a second wave of 20 tiles runs alone. cuBLASLt returns more candidates when asked; this
+module asks for them (`LtProduct.candidates`), times them where the engine runs them (a CUDA graph
+over every layer's own weight, so the weights stream from HBM), and runs the fastest.
+
+ctypes over the cuBLASLt library PyTorch already loaded: no build step, and on a machine without
+CUDA the module imports and `available()` says False. The calls are capturable in CUDA graphs (the
+workspace is allocated up front; alpha and beta are host scalars read at capture).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+# cublasLt.h / library_types.h values (stable across CUDA 11.4-13).
+_CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF = 0, 2, 14
+_CUBLAS_COMPUTE_32F = 68
+_OP_N, _OP_T = 0, 1
+_DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER, _DESC_SM_COUNT_TARGET = 3, 4, 7, 8, 15
+_EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
+_PREF_MAX_WORKSPACE_BYTES = 1
+_CONFIG_ATTRS = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "custom": 5, "stages": 6, "cluster": 8}
+_DTYPES = {torch.bfloat16: _CUDA_R_16BF, torch.float16: _CUDA_R_16F}
+WORKSPACE_BYTES = 32 << 20
+
+
+class _Algo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class _Heuristic(ctypes.Structure):
+    _fields_ = [
+        ("algo", _Algo),
+        ("workspace_size", ctypes.c_size_t),
+        ("state", ctypes.c_int),
+        ("waves", ctypes.c_float),
+        ("reserved", ctypes.c_int * 4),
+    ]
+
+
+class CublasLtError(RuntimeError):
+    pass
+
+
+@functools.lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL | None:
+    """The cuBLASLt library PyTorch loaded (found in this process's maps), or None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.init()
+    path = None
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if "libcublasLt.so" in line:
+                    path = line.split()[-1]
+                    break
+    except OSError:
+        pass
+    for name in ([path] if path else []) + ["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"]:
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        vp, sz, i32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+        lib.cublasLtCreate.argtypes = [ctypes.POINTER(vp)]
+        lib.cublasLtMatmulDescCreate.argtypes = [ctypes.POINTER(vp), i32, i32]
+        lib.cublasLtMatmulDescSetAttribute.argtypes = [vp, i32, vp, sz]
+        lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(vp), i32, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64]
+        lib.cublasLtMatmulPreferenceCreate.argtypes = [ctypes.POINTER(vp)]
+        lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [vp, i32, vp, sz]
+        lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [vp, vp, vp, vp, vp, vp, vp, i32, ctypes.POINTER(_Heuristic), ctypes.POINTER(i32)]
+        lib.cublasLtMatmulAlgoConfigGetAttribute.argtypes = [ctypes.POINTER(_Algo), i32, vp, sz, ctypes.POINTER(sz)]
+        lib.cublasLtGetVersion.restype = ctypes.c_size_t
+        lib.cublasLtGetVersion.argtypes = []
+        lib.cublasLtMatmul.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo), vp, sz, vp]
+        for fn in ("cublasLtCreate", "cublasLtMatmulDescCreate", "cublasLtMatmulDescSetAttribute", "cublasLtMatrixLayoutCreate",
+                   "cublasLtMatmulPreferenceCreate", "cublasLtMatmulPreferenceSetAttribute", "cublasLtMatmulAlgoGetHeuristic",
+                   "cublasLtMatmulAlgoConfigGetAttribute", "cublasLtMatmul"):  # fmt: skip
+            getattr(lib, fn).restype = i32
+        return lib
+    return None
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise CublasLtError(f"{what} failed with cublasStatus_t {status}")
+
+
+@functools.lru_cache(maxsize=None)
+def _handle(device: int) -> ctypes.c_void_p:
+    h = ctypes.c_void_p()
+    with torch.cuda.device(device):
+        _check(_lib().cublasLtCreate(ctypes.byref(h)), "cublasLtCreate")
+    return h
+
+
+_workspaces: dict[int, torch.Tensor] = {}
+
+
+def _workspace(device: int) -> torch.Tensor:
+    """One workspace per device, allocated before any capture and kept (graphs hold its address)."""
+    ws = _workspaces.get(device)
+    if ws is None:
+        ws = _workspaces[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
+    return ws
+
+
+@dataclass(frozen=True)
+class Candidate:
+    index: int  # rank in cuBLASLt's heuristic answer (0 with sm_target 0: what PyTorch runs)
+    sm_target: int  # the SM count the heuristic was asked to plan for (0: the device's)
+    algo: _Algo
+    workspace: int
+    waves: float
+    config: dict  # the algorithm's configuration attributes, for reports
+
+    def describe(self) -> str:
+        c = self.config
+        target = f"@{self.sm_target}SM " if self.sm_target else ""
+        return (f"{target}#{self.index} tile {c.get('tile')} splitK {c.get('splitk')} red {c.get('reduction')} "
+                f"stages {c.get('stages')} cluster {c.get('cluster')} waves {self.waves:.2f}")
+
+
+class LtProduct:
+    """out[M, N] = x[M, K] @ w[N, K].T (+ bias[N]) for one shape and dtype, through cuBLASLt.
+
+    `candidates` are cuBLASLt's heuristic answers for the shape (first = PyTorch's choice); `algo`
+    is the one `__call__` runs (set it from `choose`).
+    """
+
+    def __init__(self, m: int, n: int, k: int, dtype: torch.dtype, *, bias: bool, device: int | None = None,
+                 max_candidates: int = 16, sm_targets: tuple[int, ...] = (0,)):  # fmt: skip
+        lib = _lib()
+        if lib is None:
+            raise CublasLtError("cuBLASLt is not available (no CUDA device)")
+        if dtype not in _DTYPES:
+            raise CublasLtError(f"LtProduct supports bf16 and fp16, not {dtype}")
+        self.shape, self.dtype, self.has_bias = (m, n, k), dtype, bias
+        self.device = torch.cuda.current_device() if device is None else device
+        vp = ctypes.c_void_p
+        self._desc = vp()
+        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self._desc), _CUBLAS_COMPUTE_32F, _CUDA_R_32F), "MatmulDescCreate")
+        # Column-major view of a row-major product: D[N, M] = W[K, N]^T @ X[K, M].
+        self._set(_DESC_TRANSA, ctypes.c_int32(_OP_T))
+        self._set(_DESC_TRANSB, ctypes.c_int32(_OP_N))
+        self._set(_DESC_EPILOGUE, ctypes.c_uint32(_EPILOGUE_BIAS if bias else _EPILOGUE_DEFAULT))
+        dt = _DTYPES[dtype]
+        self._a, self._b, self._d = vp(), vp(), vp()
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._a), dt, k, n, k), "MatrixLayoutCreate")
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._b), dt, k, m, k), "MatrixLayoutCreate")
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._d), dt, n, m, n), "MatrixLayoutCreate")
+        self._workspace = _workspace(self.device)
+        pref = vp()
+        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
+        ws = ctypes.c_uint64(WORKSPACE_BYTES)
+        _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), 8), "PreferenceSetAttribute")
+        if bias:  # the heuristic may look at the epilogue's pointer alignment
+            self._bias_probe = torch.zeros(n, dtype=dtype, device=f"cuda:{self.device}")
+            self._set(_DESC_BIAS_POINTER, ctypes.c_void_p(self._bias_probe.data_ptr()))
+        # Asking the heuristic to plan for fewer SMs than the device has gives other tile shapes (it
+        # sizes waves for that count); each answer runs with the target it was asked with.
+        self.candidates, seen = [], set()
+        for target in sm_targets:
+            self._set(_DESC_SM_COUNT_TARGET, ctypes.c_int32(target))
+            results = (_Heuristic * max_candidates)()
+            count = ctypes.c_int(0)
+            _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(self.device), self._desc, self._a, self._b, self._d, self._d, pref,
+                                                      max_candidates, results, ctypes.byref(count)), "MatmulAlgoGetHeuristic")  # fmt: skip
+            for i in range(count.value):
+                r = results[i]
+                key = (target, bytes(r.algo))
+                if r.state != 0 or r.workspace_size > WORKSPACE_BYTES or key in seen:
+                    continue
+                seen.add(key)
+                self.candidates.append(Candidate(i, target, r.algo, int(r.workspace_size), float(r.waves), _config(r.algo)))
+        self._sm_target = sm_targets[-1]
+        if not self.candidates:
+            raise CublasLtError(f"cuBLASLt has no algorithm for {m} x {n} x {k} {dtype}")
+        self.algo = self.candidates[0]
+        self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self._stream_cache = None
+
+    def _set(self, attr: int, value) -> None:
+        _check(_lib().cublasLtMatmulDescSetAttribute(self._desc, attr, ctypes.byref(value), ctypes.sizeof(value)), "MatmulDescSetAttribute")
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 candidate: Candidate | None = None) -> torch.Tensor:  # fmt: skip
+        m, n, k = self.shape
+        if x.shape != (m, k) or w.shape != (n, k) or x.dtype != self.dtype or w.dtype != self.dtype:
+            raise CublasLtError(f"LtProduct({m}, {n}, {k}, {self.dtype}) called with x {tuple(x.shape)} {x.dtype}, "
+                                f"w {tuple(w.shape)} {w.dtype}")  # fmt: skip
+        if not (x.is_contiguous() and w.is_contiguous()):
+            raise CublasLtError("LtProduct needs contiguous x and w")
+        if (bias is not None) != self.has_bias:
+            raise CublasLtError(f"LtProduct built with bias={self.has_bias}, called with bias={'given' if bias is not None else None}")
+        if out is None:
+            out = torch.empty(m, n, dtype=self.dtype, device=x.device)
+        if bias is not None:
+            self._set(_DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
+        algo = candidate or self.algo
+        if algo.sm_target != self._sm_target:
+            self._set(_DESC_SM_COUNT_TARGET, ctypes.c_int32(algo.sm_target))
+            self._sm_target = algo.sm_target
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        _check(_lib().cublasLtMatmul(
+            _handle(self.device), self._desc, ctypes.byref(self._alpha), ctypes.c_void_p(w.data_ptr()), self._a,
+            ctypes.c_void_p(x.data_ptr()), self._b, ctypes.byref(self._beta), ctypes.c_void_p(out.data_ptr()), self._d,
+            ctypes.c_void_p(out.data_ptr()), self._d, ctypes.byref(algo.algo), ctypes.c_void_p(self._workspace.data_ptr()),
+            WORKSPACE_BYTES, ctypes.c_void_p(stream),
+        ), "cublasLtMatmul")  # fmt: skip
+        return out
+
+
+def _config(algo: _Algo) -> dict:
+    lib, out = _lib(), {}
+    for name, attr in _CONFIG_ATTRS.items():
+        v, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
+        if lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(v), 4, ctypes.byref(written)) == 0:
+            out[name] = v.value
+    return out
+
+
+def time_graph_us(fn, calls: int, reps: int = 20) -> float:
+    """Microseconds per call of `fn` (which makes `calls` products) replayed in one CUDA graph, best of `reps`."""
+    s = _timing_stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b))
+    return best * 1e3 / calls
+
+
+def choose(product: LtProduct, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None,
+           *, tolerance: float = 0.0) -> list[tuple[Candidate, float]]:  # fmt: skip
+    """Times every candidate over `weights` (each layer's own, as the engine multiplies them) and
+    sets `product.algo` to the fastest whose output matches PyTorch's product; returns (candidate,
+    microseconds per product) sorted fastest first. A candidate whose result differs from
+    F.linear's by more than `tolerance` x the output's scale (split-K sums in another order: a few
+    bf16 ulps) is dropped: all of them must compute the same product."""
+    ref = torch.nn.functional.linear(x, weights[0], None if biases is None else biases[0]).float()
+    scale = ref.abs().max().item() + 1e-6
+    out = torch.empty(product.shape[0], product.shape[1], dtype=product.dtype, device=x.device)
+    timed = []
+    for cand in product.candidates:
+        try:
+            got = product(x, weights[0], None if biases is None else biases[0], out=out, candidate=cand).float()
+        except CublasLtError:
+            continue
+        err = (got - ref).abs().max().item() / scale
+        if err > max(tolerance, 2e-2):
+            continue
+
+        def fn(cand=cand):
+            for i, w in enumerate(weights):
+                product(x, w, None if biases is None else biases[i], out=out, candidate=cand)
+
+        timed.append((cand, time_graph_us(fn, len(weights))))
+    if not timed:
+        raise CublasLtError(f"no cuBLASLt candidate reproduced the product {product.shape}")
+    timed.sort(key=lambda t: t[1])
+    product.algo = timed[0][0]
+    return timed
+
+
+# SM counts the heuristic is also asked to plan for (besides the device's own): on an H200 (132 SMs)
+# these gave the decode step's fastest products (bench/decode_gemm.py --lt, rollout/native/NOTES.md).
+DEFAULT_SM_TARGETS = (0,)
+
+
+class TunedProducts:
+    """The decode step's products, one choice per shape: the cuBLASLt candidate that ran fastest
+    over the layers' own weights (`tune`), or PyTorch's product where none beat it by `min_gain`
+    or cuBLASLt is missing. `linear` is F.linear's signature.
+
+    Choices are process-wide (every engine in a process multiplies a shape the same way: graphed
+    and eager steps agree) and saved to `cache_path` (default ~/.cache/hybridrl/cublaslt.json, keyed
+    by GPU, cuBLASLt version and shape; HYBRIDRL_CUBLASLT_CACHE=off disables it), so a resumed run on
+    the same machine multiplies as the first one did instead of timing again.
+    """
+
+    def __init__(self, *, sm_targets: tuple[int, ...] = DEFAULT_SM_TARGETS, max_candidates: int = 16,
+                 min_gain: float = 0.01, cache_path: str | None = None):  # fmt: skip
+        self.sm_targets, self.max_candidates, self.min_gain = sm_targets, max_candidates, min_gain
+        self.cache_path = _cache_path() if cache_path is None else cache_path
+        self.report: dict[tuple, dict] = {}  # key -> {"torch_us", "best_us", "choice"}: what tune measured or loaded
+
+    def _key(self, rows: int, w: torch.Tensor, bias: bool) -> tuple:
+        return (rows, w.shape[0], w.shape[1], bias, w.dtype, w.device.index, self.sm_targets)
+
+    def tune(self, rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> None:
+        """Chooses for products of `rows` rows by `weights` (all one shape; each layer's own)."""
+        key = self._key(rows, weights[0], biases is not None)
+        if key in _CHOICES:
+            return
+        _CHOICES[key] = None
+        if not available() or weights[0].dtype not in _DTYPES or torch.cuda.is_current_stream_capturing():
+            return
+        n, k = weights[0].shape
+        try:
+            product = LtProduct(rows, n, k, weights[0].dtype, bias=biases is not None,
+                                max_candidates=self.max_candidates, sm_targets=self.sm_targets)  # fmt: skip
+        except CublasLtError as e:
+            self.report[key] = {"error": str(e)}
+            return
+        file_key = _file_key(key)
+        saved = _load_cache(self.cache_path).get(file_key)
+        if saved is not None:
+            if saved["choice"] is None:
+                self.report[key] = {**saved, "choice": "PyTorch's (saved)"}
+                return
+            match = next((c for c in product.candidates if c.sm_target == saved["choice"]["sm_target"]
+                          and list(c.algo.data) == saved["choice"]["algo"]), None)  # fmt: skip
+            if match is not None:
+                product.algo = match
+                _CHOICES[key] = product
+                self.report[key] = {**saved, "choice": match.describe() + " (saved)"}
+                return
+        x = torch.randn(rows, k, dtype=weights[0].dtype, device=weights[0].device)
+        b = biases or [None] * len(weights)
+
+        def torch_fn():
+            for w, bb in zip(weights, b):
+                torch.nn.functional.linear(x, w, bb)
+
+        with torch.cuda.stream(_timing_stream()):
+            torch_us = time_graph_us(torch_fn, len(weights))
+            try:
+                best, best_us = choose(product, x, weights, biases)[0]
+            except CublasLtError as e:
+                self.report[key] = {"torch_us": torch_us, "error": str(e)}
+                return
+        torch.cuda.current_stream().wait_stream(_timing_stream())
+        keep = best_us < torch_us * (1.0 - self.min_gain)
+        self.report[key] = {"torch_us": torch_us, "best_us": best_us, "choice": best.describe() if keep else "PyTorch's"}
+        if keep:
+            _CHOICES[key] = product
+        choice = {"sm_target": best.sm_target, "algo": list(best.algo.data), "describe": best.describe()} if keep else None
+        _save_cache(self.cache_path, file_key, {"torch_us": torch_us, "best_us": best_us, "choice": choice})
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        product = _CHOICES.get(self._key(x.shape[0], w, b is not None)) if x.dim() == 2 else None
+        if product is None or not (x.is_contiguous() and w.is_contiguous()) or x.dtype != w.dtype:
+            return torch.nn.functional.linear(x, w, b)
+        return product(x, w, b)
+
+
+_CHOICES: dict[tuple, LtProduct | None] = {}  # process-wide: TunedProducts' choice per shape
+
+
+def _cache_path() -> str | None:
+    env = os.environ.get("HYBRIDRL_CUBLASLT_CACHE")
+    if env is not None:
+        return None if env.lower() in ("", "0", "off", "none") else env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hybridrl", "cublaslt.json")
+
+
+def _file_key(key: tuple) -> str:
+    rows, n, k, bias, dtype, device, targets = key
+    version = _lib().cublasLtGetVersion() if _lib() is not None else 0
+    name = torch.cuda.get_device_name(device)
+    return f"{name}|cublasLt {version}|{rows}x{n}x{k}|bias={int(bias)}|{str(dtype).removeprefix('torch.')}|sm_targets={','.join(map(str, targets))}"
+
+
+def _load_cache(path: str | None) -> dict:
+    if not path or not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # unreadable: time again (and rewrite it)
+
+
+def _save_cache(path: str | None, key: str, entry: dict) -> None:
+    """Adds one entry, written atomically (another process may be reading or writing it too)."""
+    if not path:
+        return
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        data = _load_cache(path)
+        data[key] = entry
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: the choice still holds for this process
+
+
+_timing_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _timing_stream() -> torch.cuda.Stream:
+    """One stream for every tuning run (cuBLAS keeps a workspace per stream PyTorch's products run on)."""
+    dev = torch.cuda.current_device()
+    if dev not in _timing_streams:
+        _timing_streams[dev] = torch.cuda.Stream()
+    return _timing_streams[dev]

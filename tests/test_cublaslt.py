@@ -1,0 +1,93 @@
+"""cuBLASLt products with a timed algorithm choice (rollout/native/cublaslt.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridrl.rollout.native import cublaslt
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_without_cuda_products_are_pytorchs():
+    if torch.cuda.is_available():
+        pytest.skip("CPU behaviour")
+    assert not cublaslt.available()
+    tuned = cublaslt.TunedProducts(cache_path=None)
+    w = [torch.randn(6, 8) for _ in range(2)]
+    tuned.tune(4, w, [torch.randn(6) for _ in range(2)])  # nothing to time: a no-op
+    x, b = torch.randn(4, 8), torch.randn(6)
+    assert torch.equal(tuned.linear(x, w[0], b), F.linear(x, w[0], b))
+    with pytest.raises(cublaslt.CublasLtError, match="not available"):
+        cublaslt.LtProduct(4, 6, 8, torch.bfloat16, bias=False)
+
+
+def test_choice_cache_is_written_atomically_and_survives_a_corrupt_file(tmp_path):
+    path = str(tmp_path / "sub" / "cublaslt.json")
+    cublaslt._save_cache(path, "a", {"choice": None, "torch_us": 1.0})
+    cublaslt._save_cache(path, "b", {"choice": {"sm_target": 0, "algo": [1] * 8}, "torch_us": 2.0})
+    data = cublaslt._load_cache(path)
+    assert set(data) == {"a", "b"} and data["b"]["choice"]["algo"] == [1] * 8
+    assert not [p for p in (tmp_path / "sub").iterdir() if p.suffix == ".tmp"]
+    (tmp_path / "sub" / "cublaslt.json").write_text("{not json")
+    assert cublaslt._load_cache(path) == {}  # unreadable: timed again, then rewritten
+    cublaslt._save_cache(path, "c", {"choice": None})
+    assert json.loads((tmp_path / "sub" / "cublaslt.json").read_text()) == {"c": {"choice": None}}
+
+
+def test_cache_path_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("HYBRIDRL_CUBLASLT_CACHE", "off")
+    assert cublaslt._cache_path() is None
+    monkeypatch.setenv("HYBRIDRL_CUBLASLT_CACHE", str(tmp_path / "x.json"))
+    assert cublaslt._cache_path() == str(tmp_path / "x.json")
+    monkeypatch.delenv("HYBRIDRL_CUBLASLT_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cublaslt._cache_path() == str(tmp_path / "hybridrl" / "cublaslt.json")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,bias", [(256, 1152, 896, True), (256, 896, 4864, False), (24, 1000, 256, False), (256, 9728, 896, False)])
+def test_every_candidate_computes_the_product(m, n, k, bias):
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    product = cublaslt.LtProduct(m, n, k, torch.bfloat16, bias=bias, sm_targets=(0, 120))
+    assert product.candidates
+    for cand in product.candidates:
+        got = product(x, w, b, candidate=cand).float()
+        torch.cuda.synchronize()
+        err = (got - ref).abs().max().item() / ref.abs().max().item()
+        assert err < 1e-2, (cand.describe(), err)
+    with pytest.raises(cublaslt.CublasLtError, match="called with"):
+        product(x[:, :-8].contiguous(), w, b)
+
+
+@gpu
+@pytest.mark.gpu
+def test_tuned_choice_is_saved_and_reloaded_bit_for_bit(tmp_path):
+    torch.manual_seed(0)
+    ws = [torch.randn(896, 4864, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(4)]
+    x = torch.randn(256, 4864, device="cuda", dtype=torch.bfloat16)
+    path = str(tmp_path / "c.json")
+    cublaslt._CHOICES.clear()
+    first = cublaslt.TunedProducts(cache_path=path)
+    first.tune(256, ws)
+    (key, report), = first.report.items()
+    assert "torch_us" in report and "best_us" in report, report
+    out1 = first.linear(x, ws[1])
+    saved = json.loads(open(path).read())
+    assert len(saved) == 1
+    cublaslt._CHOICES.clear()  # a new process: the choice comes from the file, not from timing
+    second = cublaslt.TunedProducts(cache_path=path)
+    second.tune(256, ws)
+    assert second.report[key]["choice"].endswith("(saved)") or second.report[key]["choice"].startswith("PyTorch")
+    assert torch.equal(second.linear(x, ws[1]), out1)
+    assert (second.linear(x, ws[1]).float() - F.linear(x, ws[1]).float()).abs().max() < 0.05
+    cublaslt._CHOICES.clear()
