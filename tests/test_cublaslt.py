@@ -91,3 +91,20 @@ def test_tuned_choice_is_saved_and_reloaded_bit_for_bit(tmp_path):
     assert torch.equal(second.linear(x, ws[1]), out1)
     assert (second.linear(x, ws[1]).float() - F.linear(x, ws[1]).float()).abs().max() < 0.05
     cublaslt._CHOICES.clear()
+
+
+@gpu
+@pytest.mark.gpu
+def test_kept_products_hold_only_the_workspace_their_algorithm_needs(tmp_path):
+    torch.manual_seed(0)
+    ws = [torch.randn(896, 4864, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(2)]
+    cublaslt._CHOICES.clear()
+    before = torch.cuda.memory_allocated()
+    tuned = cublaslt.TunedProducts(cache_path=str(tmp_path / "c.json"))
+    tuned.tune(256, ws)
+    torch.cuda.synchronize()
+    assert not cublaslt._scratch  # the 32 MiB timing workspace is gone
+    product = cublaslt._CHOICES[tuned._key(256, ws[0], False)]
+    need = 0 if product is None else product.algo.workspace
+    assert torch.cuda.memory_allocated() - before <= need + (1 << 20)
+    cublaslt._CHOICES.clear()

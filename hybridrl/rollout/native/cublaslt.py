@@ -109,15 +109,33 @@ def _handle(device: int) -> ctypes.c_void_p:
     return h
 
 
-_workspaces: dict[int, torch.Tensor] = {}
+_workspaces: dict[int, list[torch.Tensor]] = {}  # per device, every workspace handed out (graphs keep their addresses)
+_scratch: dict[int, torch.Tensor] = {}  # per device, WORKSPACE_BYTES for timing candidates; freed after tuning
 
 
-def _workspace(device: int) -> torch.Tensor:
-    """One workspace per device, allocated before any capture and kept (graphs hold its address)."""
-    ws = _workspaces.get(device)
+def _workspace(device: int, nbytes: int) -> torch.Tensor | None:
+    """A workspace of at least `nbytes` for the products kept after tuning: the largest handed out
+    so far, or a new one where that is too small. Old ones stay allocated, since a captured graph
+    may point at them; each is only as large as the algorithm that asked for it needs (a split-K
+    product's partial sums, ~3 MB at W0.5B), not the 32 MiB the heuristic may plan with."""
+    if nbytes <= 0:
+        return None
+    held = _workspaces.setdefault(device, [])
+    if not held or held[-1].numel() < nbytes:
+        held.append(torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}"))
+    return held[-1]
+
+
+def _scratch_workspace(device: int) -> torch.Tensor:
+    ws = _scratch.get(device)
     if ws is None:
-        ws = _workspaces[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
+        ws = _scratch[device] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device}")
     return ws
+
+
+def release_scratch() -> None:
+    """Frees the timing workspace (tuning is over; kept products have their own)."""
+    _scratch.clear()
 
 
 @dataclass(frozen=True)
@@ -164,7 +182,6 @@ class LtProduct:
         _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._a), dt, k, n, k), "MatrixLayoutCreate")
         _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._b), dt, k, m, k), "MatrixLayoutCreate")
         _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._d), dt, n, m, n), "MatrixLayoutCreate")
-        self._workspace = _workspace(self.device)
         pref = vp()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
         ws = ctypes.c_uint64(WORKSPACE_BYTES)
@@ -191,9 +208,15 @@ class LtProduct:
         self._sm_target = sm_targets[-1]
         if not self.candidates:
             raise CublasLtError(f"cuBLASLt has no algorithm for {m} x {n} x {k} {dtype}")
-        self.algo = self.candidates[0]
+        self.algo, self._workspace, self._ready = self.candidates[0], None, False  # workspace sized at first use
         self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self._stream_cache = None
+
+    def use(self, candidate: Candidate) -> None:
+        """Runs `candidate` from now on (with a workspace of its own size)."""
+        self.algo = candidate
+        self._workspace = _workspace(self.device, candidate.workspace)
+        self._ready = True
 
     def _set(self, attr: int, value) -> None:
         _check(_lib().cublasLtMatmulDescSetAttribute(self._desc, attr, ctypes.byref(value), ctypes.sizeof(value)), "MatmulDescSetAttribute")
@@ -212,7 +235,10 @@ class LtProduct:
             out = torch.empty(m, n, dtype=self.dtype, device=x.device)
         if bias is not None:
             self._set(_DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
+        if candidate is None and not self._ready:
+            self.use(self.algo)
         algo = candidate or self.algo
+        workspace = self._workspace if candidate is None else _scratch_workspace(self.device)
         if algo.sm_target != self._sm_target:
             self._set(_DESC_SM_COUNT_TARGET, ctypes.c_int32(algo.sm_target))
             self._sm_target = algo.sm_target
@@ -220,8 +246,9 @@ class LtProduct:
         _check(_lib().cublasLtMatmul(
             _handle(self.device), self._desc, ctypes.byref(self._alpha), ctypes.c_void_p(w.data_ptr()), self._a,
             ctypes.c_void_p(x.data_ptr()), self._b, ctypes.byref(self._beta), ctypes.c_void_p(out.data_ptr()), self._d,
-            ctypes.c_void_p(out.data_ptr()), self._d, ctypes.byref(algo.algo), ctypes.c_void_p(self._workspace.data_ptr()),
-            WORKSPACE_BYTES, ctypes.c_void_p(stream),
+            ctypes.c_void_p(out.data_ptr()), self._d, ctypes.byref(algo.algo),
+            ctypes.c_void_p(0 if workspace is None else workspace.data_ptr()), 0 if workspace is None else workspace.numel(),
+            ctypes.c_void_p(stream),
         ), "cublasLtMatmul")  # fmt: skip
         return out
 
@@ -285,7 +312,7 @@ def choose(product: LtProduct, x: torch.Tensor, weights: list[torch.Tensor], bia
     if not timed:
         raise CublasLtError(f"no cuBLASLt candidate reproduced the product {product.shape}")
     timed.sort(key=lambda t: t[1])
-    product.algo = timed[0][0]
+    product.use(timed[0][0])
     return timed
 
 
@@ -338,7 +365,7 @@ class TunedProducts:
             match = next((c for c in product.candidates if c.sm_target == saved["choice"]["sm_target"]
                           and list(c.algo.data) == saved["choice"]["algo"]), None)  # fmt: skip
             if match is not None:
-                product.algo = match
+                product.use(match)
                 _CHOICES[key] = product
                 self.report[key] = {**saved, "choice": match.describe() + " (saved)"}
                 return
@@ -355,8 +382,12 @@ class TunedProducts:
                 best, best_us = choose(product, x, weights, biases)[0]
             except CublasLtError as e:
                 self.report[key] = {"torch_us": torch_us, "error": str(e)}
+                _timing_stream().synchronize()
+                release_scratch()
                 return
         torch.cuda.current_stream().wait_stream(_timing_stream())
+        _timing_stream().synchronize()
+        release_scratch()
         keep = best_us < torch_us * (1.0 - self.min_gain)
         self.report[key] = {"torch_us": torch_us, "best_us": best_us, "choice": best.describe() if keep else "PyTorch's"}
         if keep:
