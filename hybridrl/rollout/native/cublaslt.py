@@ -376,17 +376,19 @@ class TunedProducts:
             for w, bb in zip(weights, b):
                 torch.nn.functional.linear(x, w, bb)
 
-        with torch.cuda.stream(_timing_stream()):
+        stream = _timing_stream()
+        stream.wait_stream(torch.cuda.current_stream())  # x and the weights are ready
+        with torch.cuda.stream(stream):
             torch_us = time_graph_us(torch_fn, len(weights))
             try:
                 best, best_us = choose(product, x, weights, biases)[0]
             except CublasLtError as e:
                 self.report[key] = {"torch_us": torch_us, "error": str(e)}
-                _timing_stream().synchronize()
+                stream.synchronize()
                 release_scratch()
                 return
-        torch.cuda.current_stream().wait_stream(_timing_stream())
-        _timing_stream().synchronize()
+        torch.cuda.current_stream().wait_stream(stream)
+        stream.synchronize()
         release_scratch()
         keep = best_us < torch_us * (1.0 - self.min_gain)
         self.report[key] = {"torch_us": torch_us, "best_us": best_us, "choice": best.describe() if keep else "PyTorch's"}
@@ -451,7 +453,13 @@ _timing_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def _timing_stream() -> torch.cuda.Stream:
-    """One stream for every tuning run (cuBLAS keeps a workspace per stream PyTorch's products run on)."""
+    """The stream tuning runs on: the caller's when it is a side stream (the engine tunes on the
+    stream its decode graphs are captured on), else one kept for tuning. A graph cannot be captured
+    on the default stream, and every stream PyTorch's products run on holds a cuBLAS workspace of
+    its own (32 MiB on Hopper) until the workspaces are cleared, so no stream is made per call."""
+    current = torch.cuda.current_stream()
+    if current != torch.cuda.default_stream():
+        return current
     dev = torch.cuda.current_device()
     if dev not in _timing_streams:
         _timing_streams[dev] = torch.cuda.Stream()

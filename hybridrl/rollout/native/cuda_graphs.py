@@ -54,13 +54,13 @@ class DecodeGraphs:
     def _capture(self, bucket: int, params: SamplingParams) -> torch.cuda.CUDAGraph:
         # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), restoring the
         # state after each step so that capture starts from the rows as they were.
-        if self.prepare is not None:
-            self.prepare(bucket)
         saved = self.snapshot()
         if self.stream is None:
             self.stream = torch.cuda.Stream()
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
+            if self.prepare is not None:  # on the capture stream: no other stream's cuBLAS workspace
+                self.prepare(bucket)
             for _ in range(2):
                 self.step(bucket, params)
                 self.restore(saved)
