@@ -73,6 +73,9 @@ def main(argv=None):
     ap.add_argument("--blas", choices=["cublas", "cublaslt"], default=None,
                     help="the BLAS library PyTorch's bf16 products go through (torch.backends.cuda.preferred_blas_library); default: PyTorch's")
     ap.add_argument("--lt", type=int, default=0, help="time cuBLASLt's first N heuristic candidates per product instead")
+    ap.add_argument("--lt-layout", choices=["linear", "dx", "dw"], default="linear",
+                    help="with --lt: the forward product (x @ w.T), or the backward's input gradient (dy @ w) or "
+                         "weight gradient (dy.T @ x), PyTorch's matmul of the same layout as the baseline")
     ap.add_argument("--lt-sm-targets", default="0", help="with --lt: also ask the heuristic to plan for these SM counts "
                     "(comma-separated; 0 = the device's)")
     args = ap.parse_args(argv)
@@ -144,20 +147,36 @@ def lt_table(args) -> None:
     shapes = {"qkv": ((nh + 2 * nkv) * hd, H, L), "o_proj": (H, nh * hd, L), "gate_up": (2 * I, H, L), "down": (H, I, L), "lm_head": (V, H, 1)}
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    print(f"[{args.size}] rows {M}: microseconds per product, each layer's own weight, in one CUDA graph")
+    print(f"[{args.size}] rows {M}, {args.lt_layout}: microseconds per product, each layer's own weight, in one CUDA graph")
     total_torch = total_best = 0.0
+    layout = args.lt_layout
     for name, (N, K, copies) in shapes.items():
-        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-        ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        bs = [torch.randn(N, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)] if name == "qkv" else None
+        targets = tuple(int(t) for t in args.lt_sm_targets.split(","))
+        bs = None
+        if layout == "linear":  # y[M, N] = x[M, K] @ w[N, K].T (+ b)
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+            bs = [torch.randn(N, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)] if name == "qkv" else None
+            op = lambda x, w, i: F.linear(x, w, None if bs is None else bs[i])  # noqa: E731
+            product = LtProduct(M, N, K, torch.bfloat16, bias=bs is not None, max_candidates=args.lt, sm_targets=targets)
+        elif layout == "dx":  # dx[M, K] = dy[M, N] @ w[N, K]
+            x = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+            ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+            op = lambda x, w, i: x @ w  # noqa: E731
+            product = LtProduct(M, K, N, torch.bfloat16, bias=False, max_candidates=args.lt, sm_targets=targets, w_transposed=False)
+        else:  # dw[N, K] = dy[M, N].T @ x[M, K]
+            x = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+            ws = [torch.randn(M, K, device=dev, dtype=torch.bfloat16) for _ in range(min(copies, 4))]
+            copies = len(ws)
+            op = lambda x, w, i: x.t() @ w  # noqa: E731
+            product = LtProduct(N, K, M, torch.bfloat16, bias=False, max_candidates=args.lt, sm_targets=targets,
+                                x_transposed=True, w_transposed=False)  # fmt: skip
 
         def torch_fn():
             for i, w in enumerate(ws):
-                F.linear(x, w, None if bs is None else bs[i])
+                op(x, w, i)
 
         base = time_graph(torch_fn) * 1e3 / copies
-        targets = tuple(int(t) for t in args.lt_sm_targets.split(","))
-        product = LtProduct(M, N, K, torch.bfloat16, bias=bs is not None, max_candidates=args.lt, sm_targets=targets)
         timed = choose(product, x, ws, bs)
         best_c, best_us = timed[0]
         first = next((us for c, us in timed if c.index == 0 and c.sm_target == 0), float("nan"))

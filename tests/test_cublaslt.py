@@ -108,3 +108,20 @@ def test_kept_products_hold_only_the_workspace_their_algorithm_needs(tmp_path):
     need = 0 if product is None else product.algo.workspace
     assert torch.cuda.memory_allocated() - before <= need + (1 << 20)
     cublaslt._CHOICES.clear()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_t,w_t", [(False, False), (True, False)])
+def test_backward_layouts_compute_the_product(x_t, w_t):
+    """dx = dy @ w (w as stored) and dw = dy.T @ x (dy transposed): every candidate equals PyTorch's."""
+    torch.manual_seed(0)
+    m, n, k = 384, 896, 1152
+    x = torch.randn(*((k, m) if x_t else (m, k)), device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(*((n, k) if w_t else (k, n)), device="cuda", dtype=torch.bfloat16) * 0.05
+    product = cublaslt.LtProduct(m, n, k, torch.bfloat16, bias=False, x_transposed=x_t, w_transposed=w_t)
+    ref = (x.t() if x_t else x).float() @ (w.t() if w_t else w).float()
+    assert torch.allclose(product.reference(x, w), ref)
+    for cand in product.candidates:
+        got = product(x, w, candidate=cand).float()
+        assert (got - ref).abs().max().item() / ref.abs().max().item() < 1e-2, cand.describe()

@@ -158,29 +158,35 @@ class LtProduct:
     """out[M, N] = x[M, K] @ w[N, K].T (+ bias[N]) for one shape and dtype, through cuBLASLt.
 
     `candidates` are cuBLASLt's heuristic answers for the shape (first = PyTorch's choice); `algo`
-    is the one `__call__` runs (set it from `choose`).
+    is the one `__call__` runs (set it from `choose`). The other layouts of a linear layer's backward
+    (bench/decode_gemm.py --lt-layout): `x_transposed` takes x as [K, M] storage (x.t() multiplied),
+    `w_transposed=False` takes w as [K, N] storage (multiplied as it is).
     """
 
     def __init__(self, m: int, n: int, k: int, dtype: torch.dtype, *, bias: bool, device: int | None = None,
-                 max_candidates: int = 16, sm_targets: tuple[int, ...] = (0,)):  # fmt: skip
+                 max_candidates: int = 16, sm_targets: tuple[int, ...] = (0,), x_transposed: bool = False,
+                 w_transposed: bool = True):  # fmt: skip
         lib = _lib()
         if lib is None:
             raise CublasLtError("cuBLASLt is not available (no CUDA device)")
         if dtype not in _DTYPES:
             raise CublasLtError(f"LtProduct supports bf16 and fp16, not {dtype}")
         self.shape, self.dtype, self.has_bias = (m, n, k), dtype, bias
+        self.x_transposed, self.w_transposed = x_transposed, w_transposed
         self.device = torch.cuda.current_device() if device is None else device
         vp = ctypes.c_void_p
         self._desc = vp()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self._desc), _CUBLAS_COMPUTE_32F, _CUDA_R_32F), "MatmulDescCreate")
-        # Column-major view of a row-major product: D[N, M] = W[K, N]^T @ X[K, M].
-        self._set(_DESC_TRANSA, ctypes.c_int32(_OP_T))
-        self._set(_DESC_TRANSB, ctypes.c_int32(_OP_N))
+        # Column-major view of a row-major product: D[N, M] = op(W) @ op(X), W's storage as cuBLAS's A.
+        self._set(_DESC_TRANSA, ctypes.c_int32(_OP_T if w_transposed else _OP_N))
+        self._set(_DESC_TRANSB, ctypes.c_int32(_OP_T if x_transposed else _OP_N))
         self._set(_DESC_EPILOGUE, ctypes.c_uint32(_EPILOGUE_BIAS if bias else _EPILOGUE_DEFAULT))
         dt = _DTYPES[dtype]
         self._a, self._b, self._d = vp(), vp(), vp()
-        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._a), dt, k, n, k), "MatrixLayoutCreate")
-        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._b), dt, k, m, k), "MatrixLayoutCreate")
+        a_rows, a_cols = (k, n) if w_transposed else (n, k)
+        b_rows, b_cols = (m, k) if x_transposed else (k, m)
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._a), dt, a_rows, a_cols, a_rows), "MatrixLayoutCreate")
+        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._b), dt, b_rows, b_cols, b_rows), "MatrixLayoutCreate")
         _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self._d), dt, n, m, n), "MatrixLayoutCreate")
         pref = vp()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
@@ -212,6 +218,12 @@ class LtProduct:
         self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self._stream_cache = None
 
+    def reference(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The product in fp32 by PyTorch, for checking a candidate."""
+        a = x.float().t() if self.x_transposed else x.float()
+        b = w.float().t() if self.w_transposed else w.float()
+        return a @ b + (0 if bias is None else bias.float())
+
     def use(self, candidate: Candidate) -> None:
         """Runs `candidate` from now on (with a workspace of its own size)."""
         self.algo = candidate
@@ -224,7 +236,8 @@ class LtProduct:
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  candidate: Candidate | None = None) -> torch.Tensor:  # fmt: skip
         m, n, k = self.shape
-        if x.shape != (m, k) or w.shape != (n, k) or x.dtype != self.dtype or w.dtype != self.dtype:
+        x_shape, w_shape = ((k, m) if self.x_transposed else (m, k)), ((n, k) if self.w_transposed else (k, n))
+        if x.shape != x_shape or w.shape != w_shape or x.dtype != self.dtype or w.dtype != self.dtype:
             raise CublasLtError(f"LtProduct({m}, {n}, {k}, {self.dtype}) called with x {tuple(x.shape)} {x.dtype}, "
                                 f"w {tuple(w.shape)} {w.dtype}")  # fmt: skip
         if not (x.is_contiguous() and w.is_contiguous()):
@@ -291,7 +304,7 @@ def choose(product: LtProduct, x: torch.Tensor, weights: list[torch.Tensor], bia
     microseconds per product) sorted fastest first. A candidate whose result differs from
     F.linear's by more than `tolerance` x the output's scale (split-K sums in another order: a few
     bf16 ulps) is dropped: all of them must compute the same product."""
-    ref = torch.nn.functional.linear(x, weights[0], None if biases is None else biases[0]).float()
+    ref = product.reference(x, weights[0], None if biases is None else biases[0])
     scale = ref.abs().max().item() + 1e-6
     out = torch.empty(product.shape[0], product.shape[1], dtype=product.dtype, device=x.device)
     timed = []
