@@ -81,6 +81,9 @@ def _lib() -> ctypes.CDLL | None:
         lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [vp, i32, vp, sz]
         lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [vp, vp, vp, vp, vp, vp, vp, i32, ctypes.POINTER(_Heuristic), ctypes.POINTER(i32)]
         lib.cublasLtMatmulAlgoConfigGetAttribute.argtypes = [ctypes.POINTER(_Algo), i32, vp, sz, ctypes.POINTER(sz)]
+        for fn in ("cublasLtMatmulDescDestroy", "cublasLtMatrixLayoutDestroy", "cublasLtMatmulPreferenceDestroy"):
+            getattr(lib, fn).argtypes = [vp]
+            getattr(lib, fn).restype = i32
         lib.cublasLtGetVersion.restype = ctypes.c_size_t
         lib.cublasLtGetVersion.argtypes = []
         lib.cublasLtMatmul.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo), vp, sz, vp]
@@ -212,11 +215,22 @@ class LtProduct:
                 seen.add(key)
                 self.candidates.append(Candidate(i, target, r.algo, int(r.workspace_size), float(r.waves), _config(r.algo)))
         self._sm_target = sm_targets[-1]
+        lib.cublasLtMatmulPreferenceDestroy(pref)
         if not self.candidates:
             raise CublasLtError(f"cuBLASLt has no algorithm for {m} x {n} x {k} {dtype}")
         self.algo, self._workspace, self._ready = self.candidates[0], None, False  # workspace sized at first use
         self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
-        self._stream_cache = None
+
+    def __del__(self):
+        try:
+            lib = _lib()
+            for layout in (getattr(self, "_a", None), getattr(self, "_b", None), getattr(self, "_d", None)):
+                if layout:
+                    lib.cublasLtMatrixLayoutDestroy(layout)
+            if getattr(self, "_desc", None):
+                lib.cublasLtMatmulDescDestroy(self._desc)
+        except Exception:  # interpreter shutdown: the library or this module may be gone already
+            pass
 
     def reference(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The product in fp32 by PyTorch, for checking a candidate."""
@@ -246,6 +260,9 @@ class LtProduct:
             raise CublasLtError(f"LtProduct built with bias={self.has_bias}, called with bias={'given' if bias is not None else None}")
         if out is None:
             out = torch.empty(m, n, dtype=self.dtype, device=x.device)
+        elif out.shape != (m, n) or out.dtype != self.dtype or not out.is_contiguous():
+            raise CublasLtError(f"LtProduct({m}, {n}, {k}) needs a contiguous {self.dtype} out of shape {(m, n)}, got "
+                                f"{tuple(out.shape)} {out.dtype}")  # fmt: skip
         if bias is not None:
             self._set(_DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
         if candidate is None and not self._ready:
