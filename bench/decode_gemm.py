@@ -22,6 +22,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from hybridrl.rollout.native.cublaslt import time_graph_us
+
 SHAPES = {  # (hidden, intermediate, heads, kv heads, head dim, layers, vocab)
     "0.5B": (896, 4864, 14, 2, 64, 24, 151936),
     "1.5B": (1536, 8960, 12, 2, 128, 28, 151936),
@@ -31,24 +33,7 @@ HBM_BYTES_PER_S = 4.8e12
 
 def time_graph(fn, reps: int = 20) -> float:
     """Milliseconds per replay of a CUDA graph of `fn`, best of `reps` (after warm-up)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    best = float("inf")
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b))
-    return best
+    return time_graph_us(fn, 1, reps) / 1e3
 
 
 def split_k_linear(x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
@@ -176,7 +161,7 @@ def lt_table(args) -> None:
             for i, w in enumerate(ws):
                 op(x, w, i)
 
-        base = time_graph(torch_fn) * 1e3 / copies
+        base = time_graph_us(torch_fn, copies)
         timed = choose(product, x, ws, bs)
         best_c, best_us = timed[0]
         first = next((us for c, us in timed if c.index == 0 and c.sm_target == 0), float("nan"))

@@ -29,6 +29,7 @@ class NativeDecoder:
         # cublaslt.TunedProducts: the decode step's products through the cuBLASLt algorithm timed
         # fastest for each shape (tune_products); None: F.linear (PyTorch's pick) everywhere.
         self.products = None
+        self._tuned_rows: set[int] = set()  # row counts tune_products has seen (eager steps ask every few steps)
 
     def prepare(self, max_positions: int) -> None:
         """(Re)builds the rope tables when longer contexts are needed than seen so far."""
@@ -58,8 +59,9 @@ class NativeDecoder:
     def tune_products(self, rows: int) -> None:
         """Times the candidates for each product of a `rows`-row decode step (once per shape; see
         cublaslt.TunedProducts). Call outside graph capture, before capturing that step."""
-        if self.products is None:
+        if self.products is None or rows in self._tuned_rows:
             return
+        self._tuned_rows.add(rows)
         layers = list(self.weights.layers())
         groups = [([lw.o_w for lw in layers], None if layers[0].o_b is None else [lw.o_b for lw in layers]),
                   ([lw.down_w for lw in layers], None), ([self.weights.lm_head], None)]  # fmt: skip
