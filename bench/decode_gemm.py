@@ -12,7 +12,7 @@ over one weight instead, which then stays in L2: the difference is what reading 
 HBM costs each product.
 
 `--lt N` times cuBLASLt's first N heuristic candidates for each product instead (the first is the
-one PyTorch runs; hybridrl/rollout/native/cublaslt.py), q|k|v with its bias as the engine runs it.
+one PyTorch runs; hybridrl/kernels/cublaslt.py), q|k|v with its bias as the engine runs it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from hybridrl.rollout.native.cublaslt import time_graph_us
+from hybridrl.kernels.cublaslt import time_graph_us
 
 SHAPES = {  # (hidden, intermediate, heads, kv heads, head dim, layers, vocab)
     "0.5B": (896, 4864, 14, 2, 64, 24, 151936),
@@ -125,7 +125,7 @@ def main(argv=None):
 
 def lt_table(args) -> None:
     """cuBLASLt's candidates per decode product, timed as the engine runs them; the fastest against PyTorch's."""
-    from hybridrl.rollout.native.cublaslt import LtProduct, choose
+    from hybridrl.kernels.cublaslt import LtProduct, choose
 
     H, I, nh, nkv, hd, L, V = SHAPES[args.size]
     M = args.rows

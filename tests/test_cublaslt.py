@@ -1,4 +1,4 @@
-"""cuBLASLt products with a timed algorithm choice (rollout/native/cublaslt.py)."""
+"""cuBLASLt products with a timed algorithm choice (hybridrl/kernels/cublaslt.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridrl.rollout.native import cublaslt
+from hybridrl.kernels import cublaslt
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -96,12 +96,18 @@ def test_tuned_choice_is_saved_and_reloaded_bit_for_bit(tmp_path):
 @gpu
 @pytest.mark.gpu
 def test_kept_products_hold_only_the_workspace_their_algorithm_needs(tmp_path):
+    """Tuning on a stream PyTorch has not multiplied on yet (as the engine tunes on its capture
+    stream) leaves only the kept algorithm's workspace: no timing workspace, and no cuBLAS
+    workspace of PyTorch's for that stream (32 MiB, which PyTorch would keep for the process)."""
     torch.manual_seed(0)
     ws = [torch.randn(896, 4864, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(2)]
     cublaslt._CHOICES.clear()
+    torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")  # the default stream's cuBLAS workspace, as training has it
+    torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     tuned = cublaslt.TunedProducts(cache_path=str(tmp_path / "c.json"))
-    tuned.tune(256, ws)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        tuned.tune(256, ws)
     torch.cuda.synchronize()
     assert not cublaslt._scratch  # the 32 MiB timing workspace is gone
     product = cublaslt._CHOICES[tuned._key(256, ws[0], False)]
@@ -125,3 +131,54 @@ def test_backward_layouts_compute_the_product(x_t, w_t):
     for cand in product.candidates:
         got = product(x, w, candidate=cand).float()
         assert (got - ref).abs().max().item() / ref.abs().max().item() < 1e-2, cand.describe()
+
+
+@gpu
+@pytest.mark.gpu
+def test_accumulating_product_adds_to_its_output():
+    """accumulate=True: out += dy.T @ x in the product's epilogue (the lm_head's weight gradient)."""
+    torch.manual_seed(0)
+    m, n, k = 2048, 896, 1024
+    dy = torch.randn(k, m, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) * 0.05
+    start = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    product = cublaslt.LtProduct(m, n, k, torch.bfloat16, bias=False, x_transposed=True, w_transposed=False, accumulate=True)
+    with pytest.raises(cublaslt.CublasLtError, match="give it"):
+        product(dy, x)
+    want = start.float() + dy.float().t() @ x.float()
+    for cand in product.candidates:
+        out = start.clone()
+        got = product(dy, x, out=out, candidate=cand)
+        assert got.data_ptr() == out.data_ptr()
+        assert (got.float() - want).abs().max().item() / want.abs().max().item() < 1e-2, cand.describe()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_tune_product_keeps_a_choice_that_reproduces_pytorch_and_reloads_it(tmp_path, accumulate):
+    torch.manual_seed(0)
+    m, n, k = 1024, 8192, 896
+    layout = dict(x_transposed=accumulate, w_transposed=not accumulate, accumulate=accumulate)
+    path = str(tmp_path / "c.json")
+    key = cublaslt._product_key(m, n, k, torch.bfloat16, torch.cuda.current_device(), *layout.values())
+    cublaslt._CHOICES.pop(key, None), cublaslt._REPORTS.pop(key, None)
+    report = cublaslt.tune_product(m, n, k, torch.bfloat16, cache_path=path, **layout)
+    assert "torch_us" in report and "best_us" in report and not cublaslt._scratch, report
+    assert cublaslt.tune_product(m, n, k, torch.bfloat16, cache_path=path, **layout) is report  # once per process
+    product = cublaslt.tuned_product(m, n, k, torch.bfloat16, **layout)
+    assert (product is None) == (report["choice"] == "PyTorch's")
+    x = torch.randn(*((k, m) if accumulate else (m, k)), device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(*((k, n) if accumulate else (n, k)), device="cuda", dtype=torch.bfloat16) * 0.05
+    a, b = (x.t() if accumulate else x), (w if accumulate else w.t())
+    start = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) if accumulate else torch.zeros(m, n, device="cuda", dtype=torch.bfloat16)
+    want = start.clone().addmm_(a, b) if accumulate else a @ b
+    if product is not None:
+        got = product(x, w, out=start.clone())
+        assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+    saved = json.loads(open(path).read())
+    assert len(saved) == 1 and next(iter(saved.values()))["torch_us"] == report["torch_us"]
+    cublaslt._CHOICES.pop(key, None), cublaslt._REPORTS.pop(key, None)  # a new process: loaded, not timed
+    again = cublaslt.tune_product(m, n, k, torch.bfloat16, cache_path=path, **layout)
+    assert again["choice"].endswith("(saved)") and again["torch_us"] == report["torch_us"]
+    cublaslt._CHOICES.pop(key, None), cublaslt._REPORTS.pop(key, None)

@@ -525,3 +525,32 @@ def test_triton_varlen_backward_matches_the_reference(dtype, heads, kv_heads, he
         for got, want, ref_grad in zip(grads, flash, ref):
             # no worse than FlashAttention-2's own distance from the fp32 reference, up to bf16 rounding
             assert (got.float() - ref_grad).norm() <= 1.5 * (want.float() - ref_grad).norm() + 1e-3 * ref_grad.norm()
+
+
+@gpu
+def test_tuned_lm_head_products_give_the_same_logprobs_and_gradients():
+    """train.tuned_products: the lm_head's chunk products through the cuBLASLt algorithms timed
+    fastest (logits, and the weight gradient added by the product) agree with PyTorch's products
+    up to bf16 rounding, full chunks and the short last one alike."""
+    from hybridrl.train import lm_head
+
+    torch.manual_seed(0)
+    V, H, N, chunk = 32000, 896, 2 * 1024 + 300, 1024
+    weight = (torch.randn(V, H, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
+    hidden = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, V, (N,), device="cuda")
+    reports = lm_head.tune_lm_head(weight.detach(), chunk)
+    assert set(reports) == {"logits", "weight_grad"} and all("choice" in r for r in reports.values()), reports
+    coef = torch.randn(N, device="cuda")
+    token_grads = lambda rows, lp, ent: (coef[rows], 0.1 * coef[rows])  # noqa: E731
+    results = {}
+    for tuned in (False, True):
+        lp, ent = lm_head.token_logprobs(hidden, weight, None, labels, chunk=chunk, tuned=tuned)
+        grads = torch.autograd.grad((coef * lp + 0.1 * coef * ent).sum(), [hidden, weight])
+        lp_f, ent_f, zero = lm_head.token_logprobs_with_grad(hidden, weight, None, labels, token_grads, chunk=chunk, tuned=tuned)
+        grads_f = torch.autograd.grad(zero, [hidden, weight])
+        results[tuned] = (lp, ent, *grads, lp_f, ent_f, *grads_f)
+    for got, want in zip(results[True], results[False]):
+        got, want = got.float(), want.float()
+        assert (got - want).norm() <= 1e-2 * want.norm() + 1e-6
+        assert (got - want).abs().max() <= 3e-2 * want.abs().max() + 1e-6

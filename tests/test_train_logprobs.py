@@ -116,3 +116,15 @@ def test_logits_never_exceed_one_chunk_whatever_the_batch(monkeypatch):
         (lp.sum() + ent.sum()).backward()
         assert len(seen) == 2 * -(-num_tokens // chunk)
         assert max(rows for rows, _ in seen) <= chunk and all(v == V for _, v in seen)
+
+
+def test_tuned_products_change_nothing_off_cuda():
+    """train.tuned_products off a GPU: nothing to tune, and the lm_head multiplies as PyTorch does."""
+    g, hidden, weight, bias, labels, inputs = _lm_head_problem(2, False)
+    assert lm_head.tune_lm_head(weight.detach()) == {}
+    lp, ent = token_logprobs(hidden, weight, None, labels, chunk=8, tuned=True)
+    ref_lp, ref_ent = token_logprobs(hidden, weight, None, labels, chunk=8)
+    assert torch.equal(lp, ref_lp) and torch.equal(ent, ref_ent)
+    got = torch.autograd.grad((lp + ent).sum(), inputs)
+    want = torch.autograd.grad((ref_lp + ref_ent).sum(), inputs)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))

@@ -12,6 +12,10 @@ So the memory of this phase is one chunk of logits in the model's dtype, whateve
 derivative is known once the token's log-prob is (the policy loss): one logits GEMM per chunk, not two.
 On CUDA the per-row statistics and the gradient are one Triton pass over the chunk each
 (triton_logprobs.py); elsewhere the PyTorch functions below compute the same in fp32.
+
+With `tuned=True` (`train.tuned_products`, after `tune_lm_head`) a full chunk's logits product and
+its weight-gradient product run the cuBLASLt algorithm timed fastest for their shape
+(kernels/cublaslt.py); the weight gradient is then added into its buffer by the product itself.
 """
 
 from __future__ import annotations
@@ -79,29 +83,65 @@ def logit_grad(logits, labels, lse, entropy, g_lp, g_ent, inv_temp):
     return logit_grad_torch(logits, labels, lse, entropy, g_lp, g_ent, inv_temp)
 
 
-def _add_chunk_grads(grad, h, weight, rows: slice, grad_h, grad_w, grad_b, dtype) -> None:
+def tune_lm_head(weight: torch.Tensor, chunk: int = 1024) -> dict[str, dict]:
+    """Times cuBLASLt's algorithms for a full chunk's logits product (`[chunk, H] @ weight.T`) and
+    weight-gradient product (`grad_w += grad.T @ h`), keeping the fastest where it beats PyTorch's
+    (kernels/cublaslt.tune_product; once per shape and process, saved for later runs). Returns
+    what was measured; {} where there is nothing to tune (no CUDA, not bf16 / fp16)."""
+    from hybridrl.kernels import cublaslt
+
+    if weight.device.type != "cuda" or not cublaslt.available() or weight.dtype not in (torch.bfloat16, torch.float16):
+        return {}
+    V, H = weight.shape
+    with torch.cuda.device(weight.device):
+        return {
+            "logits": cublaslt.tune_product(chunk, V, H, weight.dtype),
+            "weight_grad": cublaslt.tune_product(V, H, chunk, weight.dtype, x_transposed=True, w_transposed=False, accumulate=True),
+        }
+
+
+def _tuned(tuned: bool, x: torch.Tensor, w: torch.Tensor, m: int, n: int, k: int, **layout):
+    """tune_lm_head's product for these operands, or None (PyTorch multiplies them)."""
+    if not (tuned and x.is_cuda and x.dtype == w.dtype and x.is_contiguous() and w.is_contiguous()):
+        return None
+    from hybridrl.kernels import cublaslt
+
+    return cublaslt.tuned_product(m, n, k, w.dtype, device=w.device.index, **layout)
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tuned: bool) -> torch.Tensor:
+    product = _tuned(tuned and bias is None, h, weight, h.shape[0], *weight.shape)
+    return product(h, weight) if product is not None else F.linear(h, weight, bias)
+
+
+def _add_chunk_grads(grad, h, weight, rows: slice, grad_h, grad_w, grad_b, dtype, tuned: bool = False) -> None:
     """Adds one chunk's logit gradient `grad` `[c, V]` to the hidden (its rows), weight and bias
     gradients (each None when not wanted)."""
     if grad_h is not None:
         torch.mm(grad, weight, out=grad_h[rows])  # straight into the slice: no copy
     if grad_w is not None:
-        grad_w.addmm_(grad.t(), h)
+        product = _tuned(tuned and grad.is_contiguous() and grad_w.dtype == h.dtype, grad, h, *grad_w.shape, h.shape[0],
+                         x_transposed=True, w_transposed=False, accumulate=True)  # fmt: skip
+        if product is not None:
+            product(grad, h, out=grad_w)  # grad_w += grad.T @ h
+        else:
+            grad_w.addmm_(grad.t(), h)
     if grad_b is not None:
         grad_b += grad.sum(0, dtype=dtype)
 
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, inv_temp: float, chunk: int):
+    def forward(ctx, hidden, weight, bias, labels, inv_temp: float, chunk: int, tuned: bool):
         N = hidden.shape[0]
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         lse, lp, entropy = (torch.empty(N, dtype=dtype, device=hidden.device) for _ in range(3))
         for s in range(0, N, chunk):
-            logits = F.linear(hidden[s : s + chunk], weight, bias)
+            logits = _logits(hidden[s : s + chunk], weight, bias, tuned)
             logit_stats(logits, labels[s : s + chunk], inv_temp, out=(lse[s : s + chunk], lp[s : s + chunk], entropy[s : s + chunk]))
             del logits
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
-        ctx.inv_temp, ctx.chunk = inv_temp, chunk
+        ctx.inv_temp, ctx.chunk, ctx.tuned = inv_temp, chunk, tuned
         ctx.set_materialize_grads(False)
         return lp, entropy
 
@@ -110,7 +150,7 @@ class _LinearLogprobs(torch.autograd.Function):
         hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if g_lp is None and g_ent is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=lse.dtype, device=weight.device) if need_b and bias is not None else None
@@ -118,14 +158,14 @@ class _LinearLogprobs(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             sl = slice(s, s + chunk)
             h = hidden[sl]
-            logits = F.linear(h, weight, bias)
+            logits = _logits(h, weight, bias, ctx.tuned)
             grad = logit_grad(
                 logits, labels[sl], lse[sl], entropy[sl],
                 None if g_lp is None else g_lp[sl], None if g_ent is None else g_ent[sl], ctx.inv_temp,
             )  # fmt: skip
             del logits
-            _add_chunk_grads(grad, h, weight, sl, grad_h, grad_w, grad_b, lse.dtype)
-        return grad_h, grad_w, grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None
+            _add_chunk_grads(grad, h, weight, sl, grad_h, grad_w, grad_b, lse.dtype, ctx.tuned)
+        return grad_h, grad_w, grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None, None
 
 
 class _PrecomputedGrads(torch.autograd.Function):
@@ -152,6 +192,7 @@ def token_logprobs_with_grad(
     *,
     temperature: float = 1.0,
     chunk: int = 1024,
+    tuned: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """token_logprobs for a loss whose derivative with respect to each token's log-prob and entropy
     is known as soon as that token's are: the gradient is made in the forward pass, so each chunk's
@@ -172,7 +213,7 @@ def token_logprobs_with_grad(
         for s in range(0, N, chunk):
             sl = slice(s, s + chunk)
             h = hidden[sl]
-            logits = F.linear(h, weight, bias)
+            logits = _logits(h, weight, bias, tuned)
             logit_stats(logits, labels[sl], inv_temp, out=(lse[sl], lp[sl], entropy[sl]))
             g_lp, g_ent = token_grads(sl, lp[sl], entropy[sl])
             if g_lp is None and g_ent is None:
@@ -181,17 +222,18 @@ def token_logprobs_with_grad(
                 continue
             grad = logit_grad(logits, labels[sl], lse[sl], entropy[sl], g_lp, g_ent, inv_temp)
             del logits
-            _add_chunk_grads(grad, h, weight, sl, grad_h, grad_w, grad_b, dtype)
+            _add_chunk_grads(grad, h, weight, sl, grad_h, grad_w, grad_b, dtype, tuned)
     grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
     return lp, entropy, _PrecomputedGrads.apply(hidden, weight, bias, grad_h, grad_w, grad_b)
 
 
 def token_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, *, temperature: float = 1.0, chunk: int = 1024
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, *, temperature: float = 1.0,
+    chunk: int = 1024, tuned: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs `[N]` of `labels` under softmax(hidden @ weight.T + bias) / T) and the entropy `[N]` (fp32)."""
     inv_temp = 1.0 / temperature if temperature > 0 else 1.0
     if hidden.shape[0] == 0:  # no response tokens: empty results that still belong to the graph
         empty = hidden[:, 0].float()
         return empty, empty
-    return _LinearLogprobs.apply(hidden, weight, bias, labels, inv_temp, chunk)
+    return _LinearLogprobs.apply(hidden, weight, bias, labels, inv_temp, chunk, tuned)

@@ -44,6 +44,11 @@ def _run(model: torch.nn.Module, batch: SequenceBatch) -> tuple[torch.Tensor, to
     return out, rows * L + batch.prompt_width - 1 + cols, batch.response_ids[rows, cols], rows * T + cols
 
 
+def _tuned_products(model: torch.nn.Module) -> bool:
+    """Whether the lm_head's products run the algorithms setup.tune_products chose (train.tuned_products)."""
+    return getattr(model, "_hybridrl_tuned_products", False)
+
+
 def _to_batch_layout(values: torch.Tensor, target: torch.Tensor, batch: SequenceBatch) -> torch.Tensor:
     B, T = batch.response_mask.shape
     return values.new_zeros(B * T).index_copy(0, target, values).view(B, T)
@@ -62,7 +67,9 @@ def response_logprobs(
     out, positions, labels, target = _run(base, batch)
     hidden = out.last_hidden_state.flatten(0, 1)[positions]  # [N, H]
     head = model.get_output_embeddings()
-    logprobs, entropy = token_logprobs(hidden, head.weight, head.bias, labels, temperature=temperature, chunk=chunk_size)
+    logprobs, entropy = token_logprobs(
+        hidden, head.weight, head.bias, labels, temperature=temperature, chunk=chunk_size, tuned=_tuned_products(model)
+    )
     logprobs = _to_batch_layout(logprobs, target, batch)
     return logprobs, (_to_batch_layout(entropy, target, batch) if with_entropy else None)
 
@@ -93,7 +100,8 @@ def response_logprobs_with_grad(
         return derivatives(lp, ent, **{k: v[rows] for k, v in per_token.items()})
 
     logprobs, entropy, surrogate = token_logprobs_with_grad(
-        hidden, head.weight, head.bias, labels, token_grads, temperature=temperature, chunk=chunk_size
+        hidden, head.weight, head.bias, labels, token_grads, temperature=temperature, chunk=chunk_size,
+        tuned=_tuned_products(model),
     )
     return _to_batch_layout(logprobs, target, batch), _to_batch_layout(entropy, target, batch), surrogate
 

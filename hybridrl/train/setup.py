@@ -9,6 +9,7 @@ import torch
 
 from hybridrl.config import ConfigError, TrainConfig
 from hybridrl.train.attention import enable_packed_attention, supports_packing
+from hybridrl.train.lm_head import tune_lm_head
 from hybridrl.train.residual import enable_fp32_residual
 
 log = logging.getLogger("hybridrl.train")
@@ -39,7 +40,26 @@ def prepare_for_training(model: torch.nn.Module, train: TrainConfig, *, gradient
     if packed:
         kernel = enable_packed_attention(model, train.packed_attention)
         log.info("packed rows: %s attention", kernel if on_cuda else "dense-mask SDPA (CPU)")
+    if train.tuned_products and on_cuda:
+        tune_products(model)
     return packed
+
+
+def tune_products(model: torch.nn.Module) -> None:
+    """`train.tuned_products`: times cuBLASLt's algorithms for the lm_head's chunk products
+    (lm_head.tune_lm_head) and marks the model so that its log-prob passes run the chosen ones. Run
+    before training allocates its memory; the reference, a copy of this model, inherits the mark."""
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "weight", None) is None:
+        return
+    reports = tune_lm_head(head.weight)
+    if reports:
+        model._hybridrl_tuned_products = True
+        for name, r in reports.items():
+            if "best_us" in r:
+                log.info("train.tuned_products: lm_head %s product %.1f us (PyTorch's %.1f us): %s", name, r["best_us"], r["torch_us"], r["choice"])
+            else:
+                log.info("train.tuned_products: lm_head %s product: %s", name, r.get("error") or r.get("choice"))
 
 
 # Decoders whose forward is embed -> rotary -> layers -> norm with nothing else in between, so that

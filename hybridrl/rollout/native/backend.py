@@ -62,7 +62,7 @@ class NativeBackend:
         # another address they baked in changed (e.g. a weight tensor replaced).
         keep_graphs: bool = True,
         # CUDA: each decode product through the cuBLASLt algorithm that ran fastest for its shape over
-        # the layers' own weights (timed once per shape before the first graph capture; cublaslt.py),
+        # the layers' own weights (timed once per shape before the first graph capture; hybridrl/kernels/cublaslt.py),
         # PyTorch's pick where none beat it. Same products; a different split of K can round differently.
         tuned_products: bool = True,
     ):
@@ -80,7 +80,7 @@ class NativeBackend:
         self.decoder = NativeDecoder(self.weights, ops, fp32_residual=fp32_residual)
         self.tuned_products = tuned_products and self.on_cuda
         if self.tuned_products:
-            from .cublaslt import TunedProducts
+            from hybridrl.kernels.cublaslt import TunedProducts
 
             self.decoder.products = TunedProducts()
         self.kv_cache_fraction = kv_cache_fraction

@@ -1,4 +1,4 @@
-"""Matrix products through cuBLASLt with the algorithm chosen by timing, for the decode step's shapes.
+"""Matrix products through cuBLASLt with the algorithm chosen by timing.
 
 PyTorch's bf16 products run cuBLASLt's first heuristic answer. At the decode step's shapes (a few
 hundred rows against one layer's weight) that answer is a guess about a product that takes a few
@@ -6,6 +6,10 @@ microseconds: at W0.5B's gate|up (256 x 9728 x 896) it picks 168 x 128 tiles, 15
 SMs, so a second wave of 20 tiles runs alone. cuBLASLt returns more candidates when asked; this
 module asks for them (`LtProduct.candidates`), times them where the engine runs them (a CUDA graph
 over every layer's own weight, so the weights stream from HBM), and runs the fastest.
+
+The decode step's products are tuned by `TunedProducts` (timed in CUDA graphs, a few microseconds
+each); larger products of fixed shape, such as the trainer's lm_head chunks, by `tune_product` (timed
+eagerly on the caller's stream) and looked up with `tuned_product`.
 
 ctypes over the cuBLASLt library PyTorch already loaded: no build step, and on a machine without
 CUDA the module imports and `available()` says False. The calls are capturable in CUDA graphs (the
@@ -163,19 +167,20 @@ class LtProduct:
     `candidates` are cuBLASLt's heuristic answers for the shape (first = PyTorch's choice); `algo`
     is the one `__call__` runs (set it from `choose`). The other layouts of a linear layer's backward
     (bench/decode_gemm.py --lt-layout): `x_transposed` takes x as [K, M] storage (x.t() multiplied),
-    `w_transposed=False` takes w as [K, N] storage (multiplied as it is).
+    `w_transposed=False` takes w as [K, N] storage (multiplied as it is). `accumulate` adds the
+    product to `out` (beta = 1: out += x @ w.T), as `addmm_` does; `out` must then be given.
     """
 
     def __init__(self, m: int, n: int, k: int, dtype: torch.dtype, *, bias: bool, device: int | None = None,
                  max_candidates: int = 16, sm_targets: tuple[int, ...] = (0,), x_transposed: bool = False,
-                 w_transposed: bool = True):  # fmt: skip
+                 w_transposed: bool = True, accumulate: bool = False):  # fmt: skip
         lib = _lib()
         if lib is None:
             raise CublasLtError("cuBLASLt is not available (no CUDA device)")
         if dtype not in _DTYPES:
             raise CublasLtError(f"LtProduct supports bf16 and fp16, not {dtype}")
         self.shape, self.dtype, self.has_bias = (m, n, k), dtype, bias
-        self.x_transposed, self.w_transposed = x_transposed, w_transposed
+        self.x_transposed, self.w_transposed, self.accumulate = x_transposed, w_transposed, accumulate
         self.device = torch.cuda.current_device() if device is None else device
         vp = ctypes.c_void_p
         self._desc = vp()
@@ -219,7 +224,7 @@ class LtProduct:
         if not self.candidates:
             raise CublasLtError(f"cuBLASLt has no algorithm for {m} x {n} x {k} {dtype}")
         self.algo, self._workspace, self._ready = self.candidates[0], None, False  # workspace sized at first use
-        self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(1.0 if accumulate else 0.0)
 
     def __del__(self):
         try:
@@ -259,6 +264,8 @@ class LtProduct:
         if (bias is not None) != self.has_bias:
             raise CublasLtError(f"LtProduct built with bias={self.has_bias}, called with bias={'given' if bias is not None else None}")
         if out is None:
+            if self.accumulate:
+                raise CublasLtError("an accumulating LtProduct adds to `out`: give it")
             out = torch.empty(m, n, dtype=self.dtype, device=x.device)
         elif out.shape != (m, n) or out.dtype != self.dtype or not out.is_contiguous():
             raise CublasLtError(f"LtProduct({m}, {n}, {k}) needs a contiguous {self.dtype} out of shape {(m, n)}, got "
@@ -324,8 +331,16 @@ def choose(product: LtProduct, x: torch.Tensor, weights: list[torch.Tensor],
     """Times every candidate over `weights` (each layer's own, as the engine multiplies them) and
     sets `product.algo` to the fastest whose output matches PyTorch's product; returns (candidate,
     microseconds per product) sorted fastest first. A candidate further than CANDIDATE_TOLERANCE
-    from the product is dropped: all of them must compute the same product."""
-    ref = product.reference(x, weights[0], None if biases is None else biases[0])
+    from the product is dropped: all of them must compute the same product.
+
+    The fp32 reference product runs on the default stream: PyTorch gives every stream its products
+    run on a cuBLAS workspace of its own (32 MiB on Hopper) and keeps it, and the default stream's
+    is there for training anyway."""
+    current, default = torch.cuda.current_stream(), torch.cuda.default_stream()
+    default.wait_stream(current)
+    with torch.cuda.stream(default):
+        ref = product.reference(x, weights[0], None if biases is None else biases[0])
+    current.wait_stream(default)
     scale = ref.abs().max().item() + 1e-6
     out = torch.empty(product.shape[0], product.shape[1], dtype=product.dtype, device=x.device)
     timed = []
@@ -404,26 +419,28 @@ class TunedProducts:
                 self.report[key] = {**saved, "choice": match.describe() + " (saved)"}
                 return
         x = torch.randn(rows, k, dtype=weights[0].dtype, device=weights[0].device)
-        b = biases or [None] * len(weights)
-
-        def torch_fn():
-            for w, bb in zip(weights, b):
-                torch.nn.functional.linear(x, w, bb)
-
+        # PyTorch's pick is cuBLASLt's first answer for the device's SM count (candidate #0), so its
+        # time is #0's: timing F.linear itself on the tuning stream would leave that stream a cuBLAS
+        # workspace of PyTorch's (32 MiB, kept for the process: W0.5B's training peak was 0.034 GiB
+        # higher in the process that tuned than in one that loaded the choices).
         stream = _timing_stream()
         stream.wait_stream(torch.cuda.current_stream())  # x and the weights are ready
         with torch.cuda.stream(stream):
-            torch_us = time_graph_us(torch_fn, len(weights))
             try:
-                best, best_us = choose(product, x, weights, biases)[0]
+                timed = choose(product, x, weights, biases)
             except CublasLtError as e:
-                self.report[key] = {"torch_us": torch_us, "error": str(e)}
+                self.report[key] = {"error": str(e)}
                 stream.synchronize()
                 release_scratch()
                 return
         torch.cuda.current_stream().wait_stream(stream)
         stream.synchronize()
         release_scratch()
+        best, best_us = timed[0]
+        torch_us = next((us for c, us in timed if c.index == 0 and c.sm_target == 0), None)
+        if torch_us is None:  # PyTorch's pick was not among the timed: never keep what was not compared with it
+            self.report[key] = {"best_us": best_us, "choice": "PyTorch's (not timed)"}
+            return
         keep = best_us < torch_us * (1.0 - self.min_gain)
         self.report[key] = {"torch_us": torch_us, "best_us": best_us, "choice": best.describe() if keep else "PyTorch's"}
         if keep:
@@ -438,7 +455,111 @@ class TunedProducts:
         return product(x, w, b)
 
 
-_CHOICES: dict[tuple, LtProduct | None] = {}  # process-wide: TunedProducts' choice per shape
+_CHOICES: dict[tuple, LtProduct | None] = {}  # process-wide: TunedProducts' / tune_product's choice per shape
+
+
+def time_eager_us(fn, reps: int = 10, rounds: int = 3) -> float:
+    """Microseconds per call of `fn` launched `reps` times back to back on the current stream, best
+    of `rounds`: for products long enough (~100 us and up) that launching them costs nothing."""
+    fn()
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / reps)
+    return best * 1e3
+
+
+def _product_key(m: int, n: int, k: int, dtype: torch.dtype, device: int, x_transposed: bool, w_transposed: bool,
+                 accumulate: bool) -> tuple:  # fmt: skip
+    return ("product", m, n, k, dtype, device, x_transposed, w_transposed, accumulate)
+
+
+def tuned_product(m: int, n: int, k: int, dtype: torch.dtype, *, x_transposed: bool = False, w_transposed: bool = True,
+                  accumulate: bool = False, device: int | None = None) -> LtProduct | None:  # fmt: skip
+    """The product `tune_product` chose for this shape and layout, or None (not tuned, or PyTorch's
+    product was as fast): the caller then multiplies with PyTorch."""
+    dev = torch.cuda.current_device() if device is None else device
+    return _CHOICES.get(_product_key(m, n, k, dtype, dev, x_transposed, w_transposed, accumulate))
+
+
+def tune_product(m: int, n: int, k: int, dtype: torch.dtype, *, x_transposed: bool = False, w_transposed: bool = True,
+                 accumulate: bool = False, min_gain: float = 0.01, max_candidates: int = 16,
+                 cache_path: str | None = "default") -> dict:  # fmt: skip
+    """Chooses, once per process, how to run one product of a fixed shape and layout (LtProduct's
+    arguments): each of cuBLASLt's candidates and PyTorch's own product (`torch.mm` / `addmm_` of
+    the same layout) are timed on the current stream with random operands, and the fastest
+    candidate is kept where it beats PyTorch's by `min_gain`. Returns what was measured or loaded
+    (also for a shape chosen before). The operands, an output and a 32 MiB timing workspace are
+    allocated meanwhile and freed after, so call it where memory is free (before training starts).
+    Choices are saved with TunedProducts' (`cache_path` "default": its file)."""
+    dev = torch.cuda.current_device()
+    key = _product_key(m, n, k, dtype, dev, x_transposed, w_transposed, accumulate)
+    if key in _REPORTS:
+        return _REPORTS[key]
+    _CHOICES[key] = None
+    report = _REPORTS[key] = {}
+    if not available() or dtype not in _DTYPES or torch.cuda.is_current_stream_capturing():
+        report["choice"] = "PyTorch's (cuBLASLt unavailable)"
+        return report
+    path = _cache_path() if cache_path == "default" else cache_path
+    layout = f"{'xT' if x_transposed else 'x'},{'wT' if w_transposed else 'w'}{',acc' if accumulate else ''}"
+    version = _lib().cublasLtGetVersion()
+    file_key = f"{torch.cuda.get_device_name(dev)}|cublasLt {version}|{m}x{n}x{k}|layout={layout}|{str(dtype).removeprefix('torch.')}"
+    try:
+        product = LtProduct(m, n, k, dtype, bias=False, max_candidates=max_candidates, x_transposed=x_transposed,
+                            w_transposed=w_transposed, accumulate=accumulate)  # fmt: skip
+    except CublasLtError as e:
+        report["error"] = str(e)
+        return report
+    saved = _load_cache(path).get(file_key)
+    if saved is not None:
+        match = None if saved["choice"] is None else next(
+            (c for c in product.candidates if list(c.algo.data) == saved["choice"]["algo"]), None)  # fmt: skip
+        if saved["choice"] is None or match is not None:
+            if match is not None:
+                product.use(match)
+                _CHOICES[key] = product
+            report.update(saved, choice=(match.describe() if match is not None else "PyTorch's") + " (saved)")
+            return report
+    x = torch.randn(*((k, m) if x_transposed else (m, k)), dtype=dtype, device=f"cuda:{dev}")
+    w = torch.randn(*((n, k) if w_transposed else (k, n)), dtype=dtype, device=f"cuda:{dev}") * k**-0.5
+    out = torch.zeros(m, n, dtype=dtype, device=f"cuda:{dev}")
+    a, b = (x.t() if x_transposed else x), (w.t() if w_transposed else w)
+    torch_us = time_eager_us((lambda: out.addmm_(a, b)) if accumulate else (lambda: torch.mm(a, b, out=out)))
+    ref = product.reference(x, w)
+    scale = ref.abs().max().item() + 1e-6
+    timed = []
+    for cand in product.candidates:
+        out.zero_()
+        try:
+            err = (product(x, w, out=out, candidate=cand).float() - ref).abs().max().item() / scale
+        except CublasLtError:
+            continue
+        if err <= CANDIDATE_TOLERANCE:
+            timed.append((time_eager_us(lambda cand=cand: product(x, w, out=out, candidate=cand)), cand))
+    del x, w, out, ref
+    release_scratch()
+    if not timed:
+        report.update(torch_us=torch_us, error=f"no cuBLASLt candidate reproduced the product {m}x{n}x{k}")
+        return report
+    best_us, best = min(timed, key=lambda t: t[0])
+    keep = best_us < torch_us * (1.0 - min_gain)
+    if keep:
+        product.use(best)
+        _CHOICES[key] = product
+    report.update(torch_us=torch_us, best_us=best_us, choice=best.describe() if keep else "PyTorch's")
+    choice = {"sm_target": best.sm_target, "algo": list(best.algo.data), "describe": best.describe()} if keep else None
+    _save_cache(path, file_key, {"torch_us": torch_us, "best_us": best_us, "choice": choice})
+    return report
+
+
+_REPORTS: dict[tuple, dict] = {}  # tune_product's report per key (what it measured or loaded)
 
 
 def _cache_path() -> str | None:
