@@ -17,21 +17,7 @@ import argparse
 import torch
 
 from decode_gemm import HBM_BYTES_PER_S  # bench/ is on the path when a bench script runs
-
-
-def time_us(fn, reps: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return best
+from hybridrl.kernels.cublaslt import time_eager_us
 
 
 def main() -> None:
@@ -70,10 +56,10 @@ def main() -> None:
                 BLOCK=block, num_warps=warps,
             )  # fmt: skip
 
-        t = time_us(stats)
+        t = time_eager_us(stats, reps=50, rounds=5)
         diff = max((o - r).abs().max().item() for o, r in zip(out, ref))
         print(f"| stats | {config} | {t:.1f} | {read_us / t:.0%} | {diff:.2e} |")
-        t = time_us(grad)  # overwrites `work` each call: later calls read gradients, same bytes
+        t = time_eager_us(grad, reps=50, rounds=5)  # overwrites `work` each call: later calls read gradients, same bytes
         work.copy_(logits)
         grad()
         diff = (work.float() - ref_grad).abs().max().item()

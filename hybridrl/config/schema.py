@@ -137,7 +137,7 @@ class TrainConfig:
     # for a token is known once the token's log-prob is: each chunk of logits is computed once, not twice
     fused_logprob_grad: bool = True
     # CUDA, bf16 / fp16: the lm_head's chunk products (logits, weight gradient) run the cuBLASLt algorithm timed
-    # fastest for their shape at start-up (~1 s once; saved in ~/.cache/hybridrl/cublaslt.json), not PyTorch's pick
+    # fastest for their shape at start-up (~0.5 s once; saved in ~/.cache/hybridrl/cublaslt.json), not PyTorch's pick
     tuned_products: bool = True
     compile: bool = False  # torch.compile the decoder of the policy, reference and critic; for the native rollout backend (hf generate recompiles per shape)
     # Decoder layers per compiled graph (train.compile, packed rows, llama/mistral/qwen2/qwen3): 1 compiles

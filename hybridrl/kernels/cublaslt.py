@@ -326,12 +326,13 @@ def time_graph_us(fn, calls: int, reps: int = 20) -> float:
 CANDIDATE_TOLERANCE = 2e-2
 
 
-def choose(product: LtProduct, x: torch.Tensor, weights: list[torch.Tensor],
-           biases: list[torch.Tensor] | None = None) -> list[tuple[Candidate, float]]:  # fmt: skip
-    """Times every candidate over `weights` (each layer's own, as the engine multiplies them) and
-    sets `product.algo` to the fastest whose output matches PyTorch's product; returns (candidate,
-    microseconds per product) sorted fastest first. A candidate further than CANDIDATE_TOLERANCE
-    from the product is dropped: all of them must compute the same product.
+def choose(product: LtProduct, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None,
+           timer=None) -> list[tuple[Candidate, float]]:  # fmt: skip
+    """Times every candidate whose output matches PyTorch's product over `weights` (each layer's
+    own, as the engine multiplies them); returns (candidate, microseconds per product) sorted
+    fastest first. A candidate further than CANDIDATE_TOLERANCE from the product is dropped: all of
+    them must compute the same product. `timer(fn, calls)` gives microseconds per product of `fn`
+    (which makes `calls` of them): `time_graph_us` by default. The caller `use`s what it keeps.
 
     The fp32 reference product runs on the default stream: PyTorch gives every stream its products
     run on a cuBLAS workspace of its own (32 MiB on Hopper) and keeps it, and the default stream's
@@ -342,9 +343,11 @@ def choose(product: LtProduct, x: torch.Tensor, weights: list[torch.Tensor],
         ref = product.reference(x, weights[0], None if biases is None else biases[0])
     current.wait_stream(default)
     scale = ref.abs().max().item() + 1e-6
-    out = torch.empty(product.shape[0], product.shape[1], dtype=product.dtype, device=x.device)
+    out = torch.zeros(product.shape[0], product.shape[1], dtype=product.dtype, device=x.device)
     timed = []
     for cand in product.candidates:
+        if product.accumulate:
+            out.zero_()  # checked as a product: out = 0 + x @ w.T
         try:
             got = product(x, weights[0], None if biases is None else biases[0], out=out, candidate=cand).float()
         except CublasLtError:
@@ -357,12 +360,30 @@ def choose(product: LtProduct, x: torch.Tensor, weights: list[torch.Tensor],
             for i, w in enumerate(weights):
                 product(x, w, None if biases is None else biases[i], out=out, candidate=cand)
 
-        timed.append((cand, time_graph_us(fn, len(weights))))
+        timed.append((cand, (timer or time_graph_us)(fn, len(weights))))
     if not timed:
         raise CublasLtError(f"no cuBLASLt candidate reproduced the product {product.shape}")
     timed.sort(key=lambda t: t[1])
-    product.use(timed[0][0])
     return timed
+
+
+def _saved_candidate(product: LtProduct, saved: dict) -> Candidate | None:
+    """The candidate a saved choice names, if this cuBLASLt still offers it."""
+    return next((c for c in product.candidates if c.sm_target == saved["choice"]["sm_target"]
+                 and list(c.algo.data) == saved["choice"]["algo"]), None)  # fmt: skip
+
+
+def _settle(key: tuple, product: LtProduct, best: Candidate, best_us: float, torch_us: float, min_gain: float,
+            path: str | None, file_key: str) -> dict:  # fmt: skip
+    """Keeps `best` for `key` where it beats PyTorch's product by `min_gain`, saves the decision, and
+    returns the report of it."""
+    keep = best_us < torch_us * (1.0 - min_gain)
+    if keep:
+        product.use(best)
+        _CHOICES[key] = product
+    choice = {"sm_target": best.sm_target, "algo": list(best.algo.data), "describe": best.describe()} if keep else None
+    _save_cache(path, file_key, {"torch_us": torch_us, "best_us": best_us, "choice": choice})
+    return {"torch_us": torch_us, "best_us": best_us, "choice": best.describe() if keep else "PyTorch's"}
 
 
 # SM counts the heuristic is also asked to plan for (besides the device's own): on an H200 (132 SMs)
@@ -411,8 +432,7 @@ class TunedProducts:
             if saved["choice"] is None:
                 self.report[key] = {**saved, "choice": "PyTorch's (saved)"}
                 return
-            match = next((c for c in product.candidates if c.sm_target == saved["choice"]["sm_target"]
-                          and list(c.algo.data) == saved["choice"]["algo"]), None)  # fmt: skip
+            match = _saved_candidate(product, saved)
             if match is not None:
                 product.use(match)
                 _CHOICES[key] = product
@@ -441,12 +461,7 @@ class TunedProducts:
         if torch_us is None:  # PyTorch's pick was not among the timed: never keep what was not compared with it
             self.report[key] = {"best_us": best_us, "choice": "PyTorch's (not timed)"}
             return
-        keep = best_us < torch_us * (1.0 - self.min_gain)
-        self.report[key] = {"torch_us": torch_us, "best_us": best_us, "choice": best.describe() if keep else "PyTorch's"}
-        if keep:
-            _CHOICES[key] = product
-        choice = {"sm_target": best.sm_target, "algo": list(best.algo.data), "describe": best.describe()} if keep else None
-        _save_cache(self.cache_path, file_key, {"torch_us": torch_us, "best_us": best_us, "choice": choice})
+        self.report[key] = _settle(key, product, best, best_us, torch_us, self.min_gain, self.cache_path, file_key)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         product = _CHOICES.get(self._key(x.shape[0], w, b is not None)) if x.dim() == 2 else None
@@ -519,8 +534,7 @@ def tune_product(m: int, n: int, k: int, dtype: torch.dtype, *, x_transposed: bo
         return report
     saved = _load_cache(path).get(file_key)
     if saved is not None:
-        match = None if saved["choice"] is None else next(
-            (c for c in product.candidates if list(c.algo.data) == saved["choice"]["algo"]), None)  # fmt: skip
+        match = None if saved["choice"] is None else _saved_candidate(product, saved)
         if saved["choice"] is None or match is not None:
             if match is not None:
                 product.use(match)
@@ -532,30 +546,15 @@ def tune_product(m: int, n: int, k: int, dtype: torch.dtype, *, x_transposed: bo
     out = torch.zeros(m, n, dtype=dtype, device=f"cuda:{dev}")
     a, b = (x.t() if x_transposed else x), (w.t() if w_transposed else w)
     torch_us = time_eager_us((lambda: out.addmm_(a, b)) if accumulate else (lambda: torch.mm(a, b, out=out)))
-    ref = product.reference(x, w)
-    scale = ref.abs().max().item() + 1e-6
-    timed = []
-    for cand in product.candidates:
-        out.zero_()
-        try:
-            err = (product(x, w, out=out, candidate=cand).float() - ref).abs().max().item() / scale
-        except CublasLtError:
-            continue
-        if err <= CANDIDATE_TOLERANCE:
-            timed.append((time_eager_us(lambda cand=cand: product(x, w, out=out, candidate=cand)), cand))
-    del x, w, out, ref
-    release_scratch()
-    if not timed:
-        report.update(torch_us=torch_us, error=f"no cuBLASLt candidate reproduced the product {m}x{n}x{k}")
+    del out
+    try:
+        timed = choose(product, x, [w], timer=lambda fn, calls: time_eager_us(fn) / calls)
+    except CublasLtError as e:
+        report.update(torch_us=torch_us, error=str(e))
         return report
-    best_us, best = min(timed, key=lambda t: t[0])
-    keep = best_us < torch_us * (1.0 - min_gain)
-    if keep:
-        product.use(best)
-        _CHOICES[key] = product
-    report.update(torch_us=torch_us, best_us=best_us, choice=best.describe() if keep else "PyTorch's")
-    choice = {"sm_target": best.sm_target, "algo": list(best.algo.data), "describe": best.describe()} if keep else None
-    _save_cache(path, file_key, {"torch_us": torch_us, "best_us": best_us, "choice": choice})
+    finally:
+        release_scratch()
+    report.update(_settle(key, product, *timed[0], torch_us, min_gain, path, file_key))
     return report
 
 
