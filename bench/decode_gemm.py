@@ -61,6 +61,8 @@ def main(argv=None):
     ap.add_argument("--lt-layout", choices=["linear", "dx", "dw"], default="linear",
                     help="with --lt: the forward product (x @ w.T), or the backward's input gradient (dy @ w) or "
                          "weight gradient (dy.T @ x), PyTorch's matmul of the same layout as the baseline")
+    ap.add_argument("--lt-variants", action="store_true", help="with --lt: also time each candidate's split-K / reduction / "
+                    "swizzle variants (LtProduct(variants=True))")
     ap.add_argument("--lt-sm-targets", default="0", help="with --lt: also ask the heuristic to plan for these SM counts "
                     "(comma-separated; 0 = the device's)")
     args = ap.parse_args(argv)
@@ -143,18 +145,20 @@ def lt_table(args) -> None:
             ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
             bs = [torch.randn(N, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)] if name == "qkv" else None
             op = lambda x, w, i: F.linear(x, w, None if bs is None else bs[i])  # noqa: E731
-            product = LtProduct(M, N, K, torch.bfloat16, bias=bs is not None, max_candidates=args.lt, sm_targets=targets)
+            product = LtProduct(M, N, K, torch.bfloat16, bias=bs is not None, max_candidates=args.lt,
+                                sm_targets=targets, variants=args.lt_variants)
         elif layout == "dx":  # dx[M, K] = dy[M, N] @ w[N, K]
             x = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
             ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
             op = lambda x, w, i: x @ w  # noqa: E731
-            product = LtProduct(M, K, N, torch.bfloat16, bias=False, max_candidates=args.lt, sm_targets=targets, w_transposed=False)
+            product = LtProduct(M, K, N, torch.bfloat16, bias=False, max_candidates=args.lt, sm_targets=targets,
+                                variants=args.lt_variants, w_transposed=False)
         else:  # dw[N, K] = dy[M, N].T @ x[M, K]
             x = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
             ws = [torch.randn(M, K, device=dev, dtype=torch.bfloat16) for _ in range(min(copies, 4))]
             copies = len(ws)
             op = lambda x, w, i: x.t() @ w  # noqa: E731
-            product = LtProduct(N, K, M, torch.bfloat16, bias=False, max_candidates=args.lt, sm_targets=targets,
+            product = LtProduct(N, K, M, torch.bfloat16, bias=False, max_candidates=args.lt, sm_targets=targets, variants=args.lt_variants,
                                 x_transposed=True, w_transposed=False)  # fmt: skip
 
         def torch_fn():
@@ -164,7 +168,7 @@ def lt_table(args) -> None:
         base = time_graph_us(torch_fn, copies)
         timed = choose(product, x, ws, bs)
         best_c, best_us = timed[0]
-        first = next((us for c, us in timed if c.index == 0 and c.sm_target == 0), float("nan"))
+        first = next((us for c, us in timed if c.is_pytorch_pick), float("nan"))
         total_torch += base * copies
         total_best += min(base, best_us) * copies
         print(f"{name} {N} x {K}: PyTorch {base:.2f} us, candidate #0 {first:.2f} us, best {best_us:.2f} us "

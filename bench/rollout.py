@@ -63,11 +63,11 @@ def logprob_diff(model, prompts, outs, limit: int) -> tuple[float, float]:
 
 
 def run_native(model, request, device, args, tile: int | None = None, warps: int = 4, split: int = 0, cascade: bool = False,
-               stages: int | None = None, fused: str = "auto", max_registers: int | None = None, tuned: bool = True) -> dict:  # fmt: skip
+               stages: int | None = None, fused: str = "auto", max_registers: int | None = None, tuned: str = "on") -> dict:  # fmt: skip
     """One engine's rollouts; the attention settings left None / "auto" are the engine's own (TritonOps)."""
     backend = NativeBackend(model, max_num_seqs=max(args.max_num_seqs, len(request.prompt_ids) * request.n),
                             shared_prefix_attention=cascade, shared_prefix_splits=args.prefix_splits,
-                            tuned_products=tuned)  # fmt: skip
+                            tuned_products=tuned != "off", tuned_product_variants=tuned == "variants")  # fmt: skip
     if device == "cuda":
         backend.decoder.ops.attention_tile = tile
         backend.decoder.ops.attention_warps = warps
@@ -196,7 +196,8 @@ def main() -> None:
                     help="with --shared-prefix: programs per prompt's shared prefix (0: chosen per batch, SharedPrefix.splits)")
     ap.add_argument("--tuned-products", default="on",
                     help="decode products through the cuBLASLt algorithm timed fastest per shape (rollout.tuned_products): "
-                         "on, off, or a comma-separated sequence of them to run in turn")
+                         "on, variants (each heuristic answer's split-K / reduction / swizzle variants timed too), off, "
+                         "or a comma-separated sequence of them to run in turn")
     ap.add_argument("--sampler-sweep", action="store_true", help="time the sampling kernel's chunk / warp settings")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of eager decode steps")
     ap.add_argument("--logprob-seqs", type=int, default=16)
@@ -220,7 +221,9 @@ def main() -> None:
                                 temperature=1.0, seed=0, stop_token_ids=[])  # fmt: skip
     runs = []
     cascades = {"off": [False], "on": [True], "both": [False, True]}[args.shared_prefix]
-    tuned_runs = [t == "on" for t in args.tuned_products.split(",")]
+    tuned_runs = args.tuned_products.split(",")
+    if any(t not in ("on", "variants", "off") for t in tuned_runs):
+        ap.error(f"--tuned-products takes on, variants or off, not {args.tuned_products!r}")
     settings = ((a, c, f, t) for t in tuned_runs for a in args.attn.split(",") for c in cascades for f in args.fused.split(","))
     for setting, cascade, fused, tuned in settings:
         tile, warps, split, *rest = (None, 4, 0) if setting == "auto" else map(int, setting.split(":"))
@@ -230,7 +233,7 @@ def main() -> None:
         r = runs[-1]
         shared = f"on, splits {args.prefix_splits or 'auto'}" if cascade else "off"
         print(f"[{size}] native attention tile={tile or 'auto'} warps={warps} split={split} stages={stages or 'auto'} registers={regs} "
-              f"fused={fused} shared_prefix={shared} tuned_products={'on' if tuned else 'off'}: "
+              f"fused={fused} shared_prefix={shared} tuned_products={tuned}: "
               f"{r['tokens_per_s']:,.0f} tokens/s (runs {['%.3f' % t for t in r['times_s']]} s), "
               f"logprob diff mean {r['logprob_diff_mean']:.4e}")
     native = max(runs, key=lambda r: r["tokens_per_s"])

@@ -71,6 +71,33 @@ def test_every_candidate_computes_the_product(m, n, k, bias):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_split_k_variants_compute_the_product(accumulate):
+    """Each heuristic answer's split-K / reduction / swizzle variants that cuBLASLt accepts compute
+    the same product (in-place reductions and beta = 1 included); none is PyTorch's pick."""
+    torch.manual_seed(0)
+    m, n, k = 256, 896, 4864
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    plain = cublaslt.LtProduct(m, n, k, torch.bfloat16, bias=False, max_candidates=4, accumulate=accumulate)
+    product = cublaslt.LtProduct(m, n, k, torch.bfloat16, bias=False, max_candidates=4, accumulate=accumulate, variants=True)
+    variants = [c for c in product.candidates if c.variant]
+    assert variants and len(product.candidates) == len(plain.candidates) + len(variants)
+    assert not any(c.is_pytorch_pick for c in variants) and product.candidates[0].is_pytorch_pick
+    splits = {c.config.get("splitk") for c in variants}
+    assert len(splits) > 1, splits
+    start = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    ref = x.float() @ w.float().t() + (start.float() if accumulate else 0)
+    for cand in variants:
+        out = start.clone()
+        got = product(x, w, out=out, candidate=cand).float()
+        torch.cuda.synchronize()
+        err = (got - ref).abs().max().item() / ref.abs().max().item()
+        assert err < 1e-2, (cand.describe(), err)
+
+
+@gpu
+@pytest.mark.gpu
 def test_tuned_choice_is_saved_and_reloaded_bit_for_bit(tmp_path):
     torch.manual_seed(0)
     ws = [torch.randn(896, 4864, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(4)]
@@ -161,7 +188,7 @@ def test_tune_product_keeps_a_choice_that_reproduces_pytorch_and_reloads_it(tmp_
     m, n, k = 1024, 8192, 896
     layout = dict(x_transposed=accumulate, w_transposed=not accumulate, accumulate=accumulate)
     path = str(tmp_path / "c.json")
-    key = cublaslt._product_key(m, n, k, torch.bfloat16, torch.cuda.current_device(), *layout.values())
+    key = cublaslt._product_key(m, n, k, torch.bfloat16, torch.cuda.current_device(), *layout.values(), False)
     cublaslt._CHOICES.pop(key, None), cublaslt._REPORTS.pop(key, None)
     report = cublaslt.tune_product(m, n, k, torch.bfloat16, cache_path=path, **layout)
     assert "torch_us" in report and "best_us" in report and not cublaslt._scratch, report

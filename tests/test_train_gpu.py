@@ -528,10 +528,12 @@ def test_triton_varlen_backward_matches_the_reference(dtype, heads, kv_heads, he
 
 
 @gpu
-def test_tuned_lm_head_products_give_the_same_logprobs_and_gradients():
+def test_tuned_lm_head_products_give_the_same_logprobs_and_gradients(monkeypatch):
     """train.tuned_products: the lm_head's chunk products through the cuBLASLt algorithms timed
     fastest (logits, and the weight gradient added by the product) agree with PyTorch's products
-    up to bf16 rounding, full chunks and the short last one alike."""
+    up to bf16 rounding, full chunks and the short last one alike. Where the timing kept PyTorch's
+    own pick, another candidate is installed, so that two algorithms are compared either way."""
+    from hybridrl.kernels import cublaslt
     from hybridrl.train import lm_head
 
     torch.manual_seed(0)
@@ -541,6 +543,19 @@ def test_tuned_lm_head_products_give_the_same_logprobs_and_gradients():
     labels = torch.randint(0, V, (N,), device="cuda")
     reports = lm_head.tune_lm_head(weight.detach(), chunk)
     assert set(reports) == {"logits", "weight_grad"} and all("choice" in r for r in reports.values()), reports
+    layouts = [(chunk, V, H, dict(x_transposed=False, w_transposed=True, accumulate=False)),
+               (V, H, chunk, dict(x_transposed=True, w_transposed=False, accumulate=True))]  # fmt: skip
+    for m, n, k, layout in layouts:
+        key = cublaslt._product_key(m, n, k, torch.bfloat16, torch.cuda.current_device(), *layout.values(), False)
+        if cublaslt._CHOICES.get(key) is None:
+            product = cublaslt.LtProduct(m, n, k, torch.bfloat16, bias=False, **layout)
+            others = [c for c in product.candidates if not c.is_pytorch_pick]
+            assert others, "cuBLASLt offered one algorithm only"
+            product.use(others[-1])
+            monkeypatch.setitem(cublaslt._CHOICES, key, product)
+    calls = []
+    run = cublaslt.LtProduct.__call__
+    monkeypatch.setattr(cublaslt.LtProduct, "__call__", lambda self, *a, **kw: calls.append(self.shape) or run(self, *a, **kw))
     coef = torch.randn(N, device="cuda")
     token_grads = lambda rows, lp, ent: (coef[rows], 0.1 * coef[rows])  # noqa: E731
     results = {}
@@ -550,6 +565,8 @@ def test_tuned_lm_head_products_give_the_same_logprobs_and_gradients():
         lp_f, ent_f, zero = lm_head.token_logprobs_with_grad(hidden, weight, None, labels, token_grads, chunk=chunk, tuned=tuned)
         grads_f = torch.autograd.grad(zero, [hidden, weight])
         results[tuned] = (lp, ent, *grads, lp_f, ent_f, *grads_f)
+    # two full chunks per pass through each tuned product (the short last chunk goes to PyTorch)
+    assert calls.count((chunk, V, H)) == 6 and calls.count((V, H, chunk)) == 4, calls
     for got, want in zip(results[True], results[False]):
         got, want = got.float(), want.float()
         assert (got - want).norm() <= 1e-2 * want.norm() + 1e-6

@@ -34,6 +34,14 @@ _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER, _DESC_SM_COUNT_T
 _EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
 _PREF_MAX_WORKSPACE_BYTES = 1
 _CONFIG_ATTRS = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "custom": 5, "stages": 6, "cluster": 8}
+_CONFIG_SPLITK, _CONFIG_REDUCTION, _CONFIG_SWIZZLE = 2, 3, 4
+_CAP_SPLITK_SUPPORT, _CAP_REDUCTION_MASK, _CAP_SWIZZLE_SUPPORT = 0, 1, 2
+# cublasLtReductionScheme_t: how split-K parts are summed. In place adds them into the output in a fixed
+# order (the workspace only holds the counters that order them), the others sum fp32 / output-type
+# partials from the workspace in a second kernel.
+_REDUCTION_NAMES = {1: "inplace", 2: "compute", 4: "output"}
+# Split-K counts tried for each heuristic answer (LtProduct(variants=True)).
+VARIANT_SPLITS = (1, 2, 3, 4, 6, 8, 16)
 _DTYPES = {torch.bfloat16: _CUDA_R_16BF, torch.float16: _CUDA_R_16F}
 WORKSPACE_BYTES = 32 << 20
 
@@ -85,6 +93,9 @@ def _lib() -> ctypes.CDLL | None:
         lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [vp, i32, vp, sz]
         lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [vp, vp, vp, vp, vp, vp, vp, i32, ctypes.POINTER(_Heuristic), ctypes.POINTER(i32)]
         lib.cublasLtMatmulAlgoConfigGetAttribute.argtypes = [ctypes.POINTER(_Algo), i32, vp, sz, ctypes.POINTER(sz)]
+        lib.cublasLtMatmulAlgoConfigSetAttribute.argtypes = [ctypes.POINTER(_Algo), i32, vp, sz]
+        lib.cublasLtMatmulAlgoCapGetAttribute.argtypes = [ctypes.POINTER(_Algo), i32, vp, sz, ctypes.POINTER(sz)]
+        lib.cublasLtMatmulAlgoCheck.argtypes = [vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo), ctypes.POINTER(_Heuristic)]
         for fn in ("cublasLtMatmulDescDestroy", "cublasLtMatrixLayoutDestroy", "cublasLtMatmulPreferenceDestroy"):
             getattr(lib, fn).argtypes = [vp]
             getattr(lib, fn).restype = i32
@@ -93,7 +104,8 @@ def _lib() -> ctypes.CDLL | None:
         lib.cublasLtMatmul.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo), vp, sz, vp]
         for fn in ("cublasLtCreate", "cublasLtMatmulDescCreate", "cublasLtMatmulDescSetAttribute", "cublasLtMatrixLayoutCreate",
                    "cublasLtMatmulPreferenceCreate", "cublasLtMatmulPreferenceSetAttribute", "cublasLtMatmulAlgoGetHeuristic",
-                   "cublasLtMatmulAlgoConfigGetAttribute", "cublasLtMatmul"):  # fmt: skip
+                   "cublasLtMatmulAlgoConfigGetAttribute", "cublasLtMatmulAlgoConfigSetAttribute",
+                   "cublasLtMatmulAlgoCapGetAttribute", "cublasLtMatmulAlgoCheck", "cublasLtMatmul"):  # fmt: skip
             getattr(lib, fn).restype = i32
         return lib
     return None
@@ -153,12 +165,19 @@ class Candidate:
     workspace: int
     waves: float
     config: dict  # the algorithm's configuration attributes, for reports
+    variant: str = ""  # "" for the heuristic's own answer; else what was changed in it (split-K, reduction, swizzle)
+
+    @property
+    def is_pytorch_pick(self) -> bool:
+        """The algorithm PyTorch's product runs: the heuristic's first answer for the device, unchanged."""
+        return self.index == 0 and self.sm_target == 0 and not self.variant
 
     def describe(self) -> str:
         c = self.config
         target = f"@{self.sm_target}SM " if self.sm_target else ""
-        return (f"{target}#{self.index} tile {c.get('tile')} splitK {c.get('splitk')} red {c.get('reduction')} "
-                f"stages {c.get('stages')} cluster {c.get('cluster')} waves {self.waves:.2f}")
+        variant = f" ({self.variant})" if self.variant else ""
+        return (f"{target}#{self.index}{variant} tile {c.get('tile')} splitK {c.get('splitk')} red {c.get('reduction')} "
+                f"swizzle {c.get('swizzle')} stages {c.get('stages')} cluster {c.get('cluster')} waves {self.waves:.2f}")
 
 
 class LtProduct:
@@ -169,11 +188,17 @@ class LtProduct:
     (bench/decode_gemm.py --lt-layout): `x_transposed` takes x as [K, M] storage (x.t() multiplied),
     `w_transposed=False` takes w as [K, N] storage (multiplied as it is). `accumulate` adds the
     product to `out` (beta = 1: out += x @ w.T), as `addmm_` does; `out` must then be given.
+
+    `variants` adds, for each heuristic answer, the same kernel with the other split-K counts
+    (VARIANT_SPLITS), reduction schemes and CTA swizzle its capabilities allow, each one checked by
+    cuBLASLt (`cublasLtMatmulAlgoCheck`) for this shape before it becomes a candidate: the heuristic
+    answers one configuration per kernel, and at a few hundred rows the split of K is what decides
+    how many SMs a small product keeps busy.
     """
 
     def __init__(self, m: int, n: int, k: int, dtype: torch.dtype, *, bias: bool, device: int | None = None,
                  max_candidates: int = 16, sm_targets: tuple[int, ...] = (0,), x_transposed: bool = False,
-                 w_transposed: bool = True, accumulate: bool = False):  # fmt: skip
+                 w_transposed: bool = True, accumulate: bool = False, variants: bool = False):  # fmt: skip
         lib = _lib()
         if lib is None:
             raise CublasLtError("cuBLASLt is not available (no CUDA device)")
@@ -219,6 +244,13 @@ class LtProduct:
                     continue
                 seen.add(key)
                 self.candidates.append(Candidate(i, target, r.algo, int(r.workspace_size), float(r.waves), _config(r.algo)))
+            if variants:
+                for base in [c for c in self.candidates if c.sm_target == target and not c.variant]:
+                    for cand in self._variants(base):
+                        key = (target, bytes(cand.algo))
+                        if key not in seen:
+                            seen.add(key)
+                            self.candidates.append(cand)
         self._sm_target = sm_targets[-1]
         lib.cublasLtMatmulPreferenceDestroy(pref)
         if not self.candidates:
@@ -236,6 +268,43 @@ class LtProduct:
                 lib.cublasLtMatmulDescDestroy(self._desc)
         except Exception:  # interpreter shutdown: the library or this module may be gone already
             pass
+
+    def _variants(self, base: Candidate) -> list[Candidate]:
+        """`base`'s kernel with each other split-K count, reduction scheme and swizzle it supports
+        that cuBLASLt accepts for this product (the heuristic's SM target still set on the descriptor)."""
+        lib = _lib()
+
+        def cap(attr: int) -> int:
+            v, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
+            ok = lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(base.algo), attr, ctypes.byref(v), 4, ctypes.byref(written))
+            return v.value if ok == 0 else 0
+
+        split_ok, reductions, swizzle_ok = cap(_CAP_SPLITK_SUPPORT), cap(_CAP_REDUCTION_MASK), cap(_CAP_SWIZZLE_SUPPORT)
+        splits = VARIANT_SPLITS if split_ok else (base.config.get("splitk", 1),)
+        schemes = [r for r in _REDUCTION_NAMES if reductions & r]
+        out = []
+        for split in splits:
+            for red in (schemes if split > 1 else [0]):
+                for swizzle in ((0, 1) if swizzle_ok else (base.config.get("swizzle", 0),)):
+                    settings = {"splitk": split, "reduction": red, "swizzle": swizzle}
+                    if all(base.config.get(name, 0 if name != "splitk" else 1) == v for name, v in settings.items()):
+                        continue  # the heuristic's own configuration
+                    algo = _Algo.from_buffer_copy(base.algo)
+                    for attr, v in ((_CONFIG_SPLITK, split), (_CONFIG_REDUCTION, red), (_CONFIG_SWIZZLE, swizzle)):
+                        val = ctypes.c_uint32(v)
+                        if lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr, ctypes.byref(val), 4) != 0:
+                            break
+                    else:
+                        check = _Heuristic()
+                        if lib.cublasLtMatmulAlgoCheck(_handle(self.device), self._desc, self._a, self._b, self._d, self._d,
+                                                       ctypes.byref(algo), ctypes.byref(check)) != 0:  # fmt: skip
+                            continue
+                        if check.workspace_size > WORKSPACE_BYTES:
+                            continue
+                        label = f"splitK {split}" + (f" {_REDUCTION_NAMES[red]}" if red else "") + (f" swizzle {swizzle}")
+                        out.append(Candidate(base.index, base.sm_target, algo, int(check.workspace_size), float(check.waves),
+                                             _config(algo), variant=label))  # fmt: skip
+        return out
 
     def reference(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The product in fp32 by PyTorch, for checking a candidate."""
@@ -403,13 +472,16 @@ class TunedProducts:
     """
 
     def __init__(self, *, sm_targets: tuple[int, ...] = DEFAULT_SM_TARGETS, max_candidates: int = 16,
-                 min_gain: float = 0.01, cache_path: str | None = None):  # fmt: skip
+                 min_gain: float = 0.01, cache_path: str | None = None, variants: bool = False):  # fmt: skip
         self.sm_targets, self.max_candidates, self.min_gain = sm_targets, max_candidates, min_gain
+        # also time each answer's split-K / reduction / swizzle variants (LtProduct(variants=True)): measured
+        # on W0.5B's decode products, none beat the heuristic's own answers (rollout/native/NOTES.md, session 26)
+        self.variants = variants
         self.cache_path = _cache_path() if cache_path is None else cache_path
         self.report: dict[tuple, dict] = {}  # key -> {"torch_us", "best_us", "choice"}: what tune measured or loaded
 
     def _key(self, rows: int, w: torch.Tensor, bias: bool) -> tuple:
-        return (rows, w.shape[0], w.shape[1], bias, w.dtype, w.device.index, self.sm_targets)
+        return (rows, w.shape[0], w.shape[1], bias, w.dtype, w.device.index, self.sm_targets, self.variants)
 
     def tune(self, rows: int, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> None:
         """Chooses for products of `rows` rows by `weights` (all one shape; each layer's own)."""
@@ -421,8 +493,8 @@ class TunedProducts:
             return
         n, k = weights[0].shape
         try:
-            product = LtProduct(rows, n, k, weights[0].dtype, bias=biases is not None,
-                                max_candidates=self.max_candidates, sm_targets=self.sm_targets)  # fmt: skip
+            product = LtProduct(rows, n, k, weights[0].dtype, bias=biases is not None, max_candidates=self.max_candidates,
+                                sm_targets=self.sm_targets, variants=self.variants)  # fmt: skip
         except CublasLtError as e:
             self.report[key] = {"error": str(e)}
             return
@@ -457,7 +529,7 @@ class TunedProducts:
         stream.synchronize()
         release_scratch()
         best, best_us = timed[0]
-        torch_us = next((us for c, us in timed if c.index == 0 and c.sm_target == 0), None)
+        torch_us = next((us for c, us in timed if c.is_pytorch_pick), None)
         if torch_us is None:  # PyTorch's pick was not among the timed: never keep what was not compared with it
             self.report[key] = {"best_us": best_us, "choice": "PyTorch's (not timed)"}
             return
@@ -491,21 +563,21 @@ def time_eager_us(fn, reps: int = 10, rounds: int = 3) -> float:
 
 
 def _product_key(m: int, n: int, k: int, dtype: torch.dtype, device: int, x_transposed: bool, w_transposed: bool,
-                 accumulate: bool) -> tuple:  # fmt: skip
-    return ("product", m, n, k, dtype, device, x_transposed, w_transposed, accumulate)
+                 accumulate: bool, variants: bool) -> tuple:  # fmt: skip
+    return ("product", m, n, k, dtype, device, x_transposed, w_transposed, accumulate, variants)
 
 
 def tuned_product(m: int, n: int, k: int, dtype: torch.dtype, *, x_transposed: bool = False, w_transposed: bool = True,
-                  accumulate: bool = False, device: int | None = None) -> LtProduct | None:  # fmt: skip
+                  accumulate: bool = False, device: int | None = None, variants: bool = False) -> LtProduct | None:  # fmt: skip
     """The product `tune_product` chose for this shape and layout, or None (not tuned, or PyTorch's
     product was as fast): the caller then multiplies with PyTorch."""
     dev = torch.cuda.current_device() if device is None else device
-    return _CHOICES.get(_product_key(m, n, k, dtype, dev, x_transposed, w_transposed, accumulate))
+    return _CHOICES.get(_product_key(m, n, k, dtype, dev, x_transposed, w_transposed, accumulate, variants))
 
 
 def tune_product(m: int, n: int, k: int, dtype: torch.dtype, *, x_transposed: bool = False, w_transposed: bool = True,
                  accumulate: bool = False, min_gain: float = 0.01, max_candidates: int = 16,
-                 cache_path: str | None = "default") -> dict:  # fmt: skip
+                 cache_path: str | None = "default", variants: bool = False) -> dict:  # fmt: skip
     """Chooses, once per process, how to run one product of a fixed shape and layout (LtProduct's
     arguments): each of cuBLASLt's candidates and PyTorch's own product (`torch.mm` / `addmm_` of
     the same layout) are timed on the current stream with random operands, and the fastest
@@ -514,7 +586,7 @@ def tune_product(m: int, n: int, k: int, dtype: torch.dtype, *, x_transposed: bo
     allocated meanwhile and freed after, so call it where memory is free (before training starts).
     Choices are saved with TunedProducts' (`cache_path` "default": its file)."""
     dev = torch.cuda.current_device()
-    key = _product_key(m, n, k, dtype, dev, x_transposed, w_transposed, accumulate)
+    key = _product_key(m, n, k, dtype, dev, x_transposed, w_transposed, accumulate, variants)
     if key in _REPORTS:
         return _REPORTS[key]
     _CHOICES[key] = None
@@ -525,10 +597,11 @@ def tune_product(m: int, n: int, k: int, dtype: torch.dtype, *, x_transposed: bo
     path = _cache_path() if cache_path == "default" else cache_path
     layout = f"{'xT' if x_transposed else 'x'},{'wT' if w_transposed else 'w'}{',acc' if accumulate else ''}"
     version = _lib().cublasLtGetVersion()
-    file_key = f"{torch.cuda.get_device_name(dev)}|cublasLt {version}|{m}x{n}x{k}|layout={layout}|{str(dtype).removeprefix('torch.')}"
+    file_key = (f"{torch.cuda.get_device_name(dev)}|cublasLt {version}|{m}x{n}x{k}|layout={layout}|{str(dtype).removeprefix('torch.')}"
+                + ("|variants" if variants else ""))
     try:
         product = LtProduct(m, n, k, dtype, bias=False, max_candidates=max_candidates, x_transposed=x_transposed,
-                            w_transposed=w_transposed, accumulate=accumulate)  # fmt: skip
+                            w_transposed=w_transposed, accumulate=accumulate, variants=variants)  # fmt: skip
     except CublasLtError as e:
         report["error"] = str(e)
         return report
@@ -570,10 +643,11 @@ def _cache_path() -> str | None:
 
 
 def _file_key(key: tuple) -> str:
-    rows, n, k, bias, dtype, device, targets = key
+    rows, n, k, bias, dtype, device, targets, variants = key
     version = _lib().cublasLtGetVersion() if _lib() is not None else 0
     name = torch.cuda.get_device_name(device)
-    return f"{name}|cublasLt {version}|{rows}x{n}x{k}|bias={int(bias)}|{str(dtype).removeprefix('torch.')}|sm_targets={','.join(map(str, targets))}"
+    return (f"{name}|cublasLt {version}|{rows}x{n}x{k}|bias={int(bias)}|{str(dtype).removeprefix('torch.')}"
+            f"|sm_targets={','.join(map(str, targets))}" + ("|variants" if variants else ""))
 
 
 def _load_cache(path: str | None) -> dict:

@@ -65,6 +65,9 @@ class NativeBackend:
         # the layers' own weights (timed once per shape before the first graph capture; hybridrl/kernels/cublaslt.py),
         # PyTorch's pick where none beat it. Same products; a different split of K can round differently.
         tuned_products: bool = True,
+        # with tuned_products: time each cuBLASLt answer's split-K / reduction / swizzle variants too (~2 s
+        # more tuning once; no faster product found at W0.5B, so off)
+        tuned_product_variants: bool = False,
     ):
         if not 0.0 < kv_cache_fraction < 1.0:
             raise ValueError(f"kv_cache_fraction ({kv_cache_fraction}) must be in (0, 1)")
@@ -82,7 +85,7 @@ class NativeBackend:
         if self.tuned_products:
             from hybridrl.kernels.cublaslt import TunedProducts
 
-            self.decoder.products = TunedProducts()
+            self.decoder.products = TunedProducts(variants=tuned_product_variants)
         self.kv_cache_fraction = kv_cache_fraction
         self.block_size = block_size
         self.max_batch_tokens = max_batch_tokens
