@@ -1,7 +1,7 @@
 """The decode step's matrix products at their real shapes: cuBLAS against inductor's autotuned kernels.
 
     python bench/decode_gemm.py [--size 0.5B] [--rows 256] [--no-autotune] [--split-k 2,4,8] [--hot]
-    python bench/decode_gemm.py --lt 16 [--size 0.5B] [--rows 256] [--lt-sm-targets 0,128]
+    python bench/decode_gemm.py --lt 16 [--size 0.5B] [--rows 256] [--lt-sm-targets 0,128] [--lt-variants]
 
 One decode step of the native engine multiplies `rows` activations by each layer's fused q|k|v,
 o_proj, fused gate|up and down_proj weights, then by the lm_head. Each shape is timed as in the
@@ -12,7 +12,8 @@ over one weight instead, which then stays in L2: the difference is what reading 
 HBM costs each product.
 
 `--lt N` times cuBLASLt's first N heuristic candidates for each product instead (the first is the
-one PyTorch runs; hybridrl/kernels/cublaslt.py), q|k|v with its bias as the engine runs it.
+one PyTorch runs; hybridrl/kernels/cublaslt.py), q|k|v with its bias as the engine runs it;
+`--lt-variants` adds each candidate's other split-K counts, reduction schemes and CTA swizzle.
 """
 
 from __future__ import annotations

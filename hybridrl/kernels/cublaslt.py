@@ -33,7 +33,8 @@ _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER, _DESC_SM_COUNT_TARGET = 3, 4, 7, 8, 15
 _EPILOGUE_DEFAULT, _EPILOGUE_BIAS = 1, 4
 _PREF_MAX_WORKSPACE_BYTES = 1
-_CONFIG_ATTRS = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "custom": 5, "stages": 6, "cluster": 8}
+_CONFIG_ATTRS = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "custom": 5, "stages": 6, "inner": 7, "cluster": 8}
+_CONFIG_U16 = {7, 8}  # inner shape and cluster shape ids are uint16_t (cublasLt.h, CUDA 12+); the others uint32_t / int32_t
 _CONFIG_SPLITK, _CONFIG_REDUCTION, _CONFIG_SWIZZLE = 2, 3, 4
 _CAP_SPLITK_SUPPORT, _CAP_REDUCTION_MASK, _CAP_SWIZZLE_SUPPORT = 0, 1, 2
 # cublasLtReductionScheme_t: how split-K parts are summed. In place adds them into the output in a fixed
@@ -362,8 +363,9 @@ class LtProduct:
 def _config(algo: _Algo) -> dict:
     lib, out = _lib(), {}
     for name, attr in _CONFIG_ATTRS.items():
-        v, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
-        if lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(v), 4, ctypes.byref(written)) == 0:
+        v, written = (ctypes.c_uint16(0) if attr in _CONFIG_U16 else ctypes.c_uint32(0)), ctypes.c_size_t(0)
+        if lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(v), ctypes.sizeof(v),
+                                                    ctypes.byref(written)) == 0:  # fmt: skip
             out[name] = v.value
     return out
 
