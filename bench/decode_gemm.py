@@ -138,8 +138,8 @@ def lt_table(args) -> None:
     print(f"[{args.size}] rows {M}, {args.lt_layout}: microseconds per product, each layer's own weight, in one CUDA graph")
     total_torch = total_best = 0.0
     layout = args.lt_layout
+    targets = tuple(int(t) for t in args.lt_sm_targets.split(","))
     for name, (N, K, copies) in shapes.items():
-        targets = tuple(int(t) for t in args.lt_sm_targets.split(","))
         bs = None
         if layout == "linear":  # y[M, N] = x[M, K] @ w[N, K].T (+ b)
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
@@ -159,8 +159,8 @@ def lt_table(args) -> None:
             ws = [torch.randn(M, K, device=dev, dtype=torch.bfloat16) for _ in range(min(copies, 4))]
             copies = len(ws)
             op = lambda x, w, i: x.t() @ w  # noqa: E731
-            product = LtProduct(N, K, M, torch.bfloat16, bias=False, max_candidates=args.lt, sm_targets=targets, variants=args.lt_variants,
-                                x_transposed=True, w_transposed=False)  # fmt: skip
+            product = LtProduct(N, K, M, torch.bfloat16, bias=False, max_candidates=args.lt, sm_targets=targets,
+                                variants=args.lt_variants, x_transposed=True, w_transposed=False)
 
         def torch_fn():
             for i, w in enumerate(ws):
@@ -168,7 +168,7 @@ def lt_table(args) -> None:
 
         base = time_graph_us(torch_fn, copies)
         timed = choose(product, x, ws, bs)
-        best_c, best_us = timed[0]
+        best_us = timed[0][1]
         first = next((us for c, us in timed if c.is_pytorch_pick), float("nan"))
         total_torch += base * copies
         total_best += min(base, best_us) * copies

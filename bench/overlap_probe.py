@@ -91,8 +91,7 @@ def main() -> None:
         torch.cuda.synchronize()
         label = "PyTorch's products" if target == 0 else f"cuBLASLt planned for {target} SMs"
         for _ in range(args.repeats):
-            alone = timed_rollout()
-            torch.cuda.synchronize()
+            alone = timed_rollout()  # ends synchronized
             t0 = time.perf_counter()
             with torch.cuda.stream(side_stream):
                 run()
@@ -101,7 +100,6 @@ def main() -> None:
             # Both: the products are enqueued first (the host takes ~10 ms), then the rollout runs.
             done = torch.cuda.Event(enable_timing=True)
             start = torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
             t0 = time.perf_counter()
             start.record(side_stream)
             with torch.cuda.stream(side_stream):

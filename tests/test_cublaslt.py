@@ -188,7 +188,7 @@ def test_tune_product_keeps_a_choice_that_reproduces_pytorch_and_reloads_it(tmp_
     m, n, k = 1024, 8192, 896
     layout = dict(x_transposed=accumulate, w_transposed=not accumulate, accumulate=accumulate)
     path = str(tmp_path / "c.json")
-    key = cublaslt._product_key(m, n, k, torch.bfloat16, torch.cuda.current_device(), *layout.values(), False)
+    key = cublaslt._product_key(m, n, k, torch.bfloat16, torch.cuda.current_device(), variants=False, **layout)
     cublaslt._CHOICES.pop(key, None), cublaslt._REPORTS.pop(key, None)
     report = cublaslt.tune_product(m, n, k, torch.bfloat16, cache_path=path, **layout)
     assert "torch_us" in report and "best_us" in report and not cublaslt._scratch, report

@@ -546,7 +546,7 @@ def test_tuned_lm_head_products_give_the_same_logprobs_and_gradients(monkeypatch
     layouts = [(chunk, V, H, dict(x_transposed=False, w_transposed=True, accumulate=False)),
                (V, H, chunk, dict(x_transposed=True, w_transposed=False, accumulate=True))]  # fmt: skip
     for m, n, k, layout in layouts:
-        key = cublaslt._product_key(m, n, k, torch.bfloat16, torch.cuda.current_device(), *layout.values(), False)
+        key = cublaslt._product_key(m, n, k, torch.bfloat16, torch.cuda.current_device(), variants=False, **layout)
         if cublaslt._CHOICES.get(key) is None:
             product = cublaslt.LtProduct(m, n, k, torch.bfloat16, bias=False, **layout)
             others = [c for c in product.candidates if not c.is_pytorch_pick]

@@ -274,13 +274,8 @@ class LtProduct:
         """`base`'s kernel with each other split-K count, reduction scheme and swizzle it supports
         that cuBLASLt accepts for this product (the heuristic's SM target still set on the descriptor)."""
         lib = _lib()
-
-        def cap(attr: int) -> int:
-            v, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
-            ok = lib.cublasLtMatmulAlgoCapGetAttribute(ctypes.byref(base.algo), attr, ctypes.byref(v), 4, ctypes.byref(written))
-            return v.value if ok == 0 else 0
-
-        split_ok, reductions, swizzle_ok = cap(_CAP_SPLITK_SUPPORT), cap(_CAP_REDUCTION_MASK), cap(_CAP_SWIZZLE_SUPPORT)
+        cap = functools.partial(_algo_attribute, lib.cublasLtMatmulAlgoCapGetAttribute, base.algo)
+        split_ok, reductions, swizzle_ok = (cap(a) or 0 for a in (_CAP_SPLITK_SUPPORT, _CAP_REDUCTION_MASK, _CAP_SWIZZLE_SUPPORT))
         splits = VARIANT_SPLITS if split_ok else (base.config.get("splitk", 1),)
         schemes = [r for r in _REDUCTION_NAMES if reductions & r]
         out = []
@@ -302,7 +297,7 @@ class LtProduct:
                             continue
                         if check.workspace_size > WORKSPACE_BYTES:
                             continue
-                        label = f"splitK {split}" + (f" {_REDUCTION_NAMES[red]}" if red else "") + (f" swizzle {swizzle}")
+                        label = f"splitK {split}" + (f" {_REDUCTION_NAMES[red]}" if red else "") + f" swizzle {swizzle}"
                         out.append(Candidate(base.index, base.sm_target, algo, int(check.workspace_size), float(check.waves),
                                              _config(algo), variant=label))  # fmt: skip
         return out
@@ -360,14 +355,19 @@ class LtProduct:
         return out
 
 
+def _algo_attribute(getter, algo: _Algo, attr: int, ctype=ctypes.c_uint32) -> int | None:
+    """One attribute of `algo` through `getter` (cublasLtMatmulAlgoConfigGetAttribute or
+    ...CapGetAttribute), or None where cuBLASLt does not answer it."""
+    v, written = ctype(0), ctypes.c_size_t(0)
+    ok = getter(ctypes.byref(algo), attr, ctypes.byref(v), ctypes.sizeof(v), ctypes.byref(written)) == 0
+    return v.value if ok else None
+
+
 def _config(algo: _Algo) -> dict:
-    lib, out = _lib(), {}
-    for name, attr in _CONFIG_ATTRS.items():
-        v, written = (ctypes.c_uint16(0) if attr in _CONFIG_U16 else ctypes.c_uint32(0)), ctypes.c_size_t(0)
-        if lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(v), ctypes.sizeof(v),
-                                                    ctypes.byref(written)) == 0:  # fmt: skip
-            out[name] = v.value
-    return out
+    getter = _lib().cublasLtMatmulAlgoConfigGetAttribute
+    values = {name: _algo_attribute(getter, algo, attr, ctypes.c_uint16 if attr in _CONFIG_U16 else ctypes.c_uint32)
+              for name, attr in _CONFIG_ATTRS.items()}  # fmt: skip
+    return {name: v for name, v in values.items() if v is not None}
 
 
 def time_graph_us(fn, calls: int, reps: int = 20) -> float:

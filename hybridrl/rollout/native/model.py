@@ -63,15 +63,16 @@ class NativeDecoder:
             return
         self._tuned_rows.add(rows)
         layers = list(self.weights.layers())
-        groups = [([lw.o_w for lw in layers], None if layers[0].o_b is None else [lw.o_b for lw in layers]),
-                  ([lw.down_w for lw in layers], None), ([self.weights.lm_head], None)]  # fmt: skip
+
+        def each(attr: str) -> list[torch.Tensor] | None:  # every layer's tensor, None where the model has none
+            return None if getattr(layers[0], attr) is None else [getattr(lw, attr) for lw in layers]
+
+        groups = [(each("o_w"), each("o_b")), (each("down_w"), None), ([self.weights.lm_head], None)]
         if self.fused is not None:
             groups += [(self.fused.qkv_w, self.fused.qkv_b if self.fused.has_bias else None), (self.fused.gate_up_w, None)]
         else:
-            for name in ("q", "k", "v"):
-                b = getattr(layers[0], f"{name}_b")
-                groups.append(([getattr(lw, f"{name}_w") for lw in layers], None if b is None else [getattr(lw, f"{name}_b") for lw in layers]))
-            groups += [([lw.gate_w for lw in layers], None), ([lw.up_w for lw in layers], None)]
+            groups += [(each(f"{name}_w"), each(f"{name}_b")) for name in "qkv"]
+            groups += [(each("gate_w"), None), (each("up_w"), None)]
         for weights, biases in groups:
             self.products.tune(rows, weights, biases)
 
