@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 
 import pytest
 import torch
@@ -165,6 +166,55 @@ def test_triton_kernel_matches_the_pytorch_path():
             if ref.numel() > 100_000:
                 assert diff.mean().abs() <= 1e-3 * ref.abs().mean(), key  # no bias between the two
     assert not torch.equal(kopt.state[kp[0]]["exp_avg_sq"], topt.state[tp[0]]["exp_avg_sq"])  # other bits
+
+
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: under TRITON_INTERPRET=1
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_kernel_launch_over_many_tensors_equals_one_per_tensor(dtype):
+    """The kernel finds each program's tensor in its table: one launch over tensors of sizes around
+    the block edges gives, bit for bit, what one launch per tensor gives (the random bits are keyed
+    by tensor seed and offset within the tensor, so they do not depend on the launch), and matches
+    AdamW's formula in fp32 where no random bits are involved."""
+    from hybridrl.train import triton_adamw
+
+    block = triton_adamw.BLOCK
+    sizes = [1, block - 1, block, block + 1, 3 * block + 7, 5]
+    gen = torch.Generator().manual_seed(0)
+
+    def groups():
+        out = []
+        for n in sizes:
+            p = torch.randn(n, generator=gen) * 0.02
+            m, g = torch.randn(n, generator=gen) * 1e-3, torch.randn(n, generator=gen) * 1e-3
+            v = torch.rand(n, generator=gen) * 1e-5
+            out.append([t.to(device=KERNEL_DEVICE, dtype=dtype) for t in (p, torch.zeros(n), m, v, g)])
+        return out
+
+    together = groups()
+    apart = [[t.clone() for t in group] for group in together]
+    before = [[t.clone() for t in group] for group in together]
+    seeds = [3, 1 << 40, 5, (1 << 62) - 1, 11, 0]
+    hp = dict(lr=1e-3, weight_decay=0.1, b1=0.9, b2=0.999, eps=1e-8, step=4)
+    triton_adamw.step(together, seeds, **hp)
+    for group, seed in zip(apart, seeds):
+        triton_adamw.step([group], [seed], **hp)
+    for a, b in zip(together, apart):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    if dtype == torch.float32:  # fp32 state: no stochastic rounding, AdamW's formula up to fma rounding
+        for (p, c, m, v, g), (p1, c1, m1, v1, _) in zip(before, together):
+            m_ref = 0.9 * m + 0.1 * g
+            v_ref = 0.999 * v + 0.001 * g * g
+            x = p * (1 - 1e-3 * 0.1) - 1e-3 / (1 - 0.9**4) * m_ref / ((v_ref / (1 - 0.999**4)).sqrt() + 1e-8)
+            torch.testing.assert_close(m1, m_ref, rtol=1e-5, atol=1e-9)
+            torch.testing.assert_close(v1, v_ref, rtol=1e-5, atol=1e-12)
+            torch.testing.assert_close(p1.double() + c1.double(), x.double(), rtol=1e-6, atol=1e-9)
+    with pytest.raises(ValueError, match="one size, dtype and device"):
+        triton_adamw.step([[together[0][0], together[1][1], *together[0][2:]]], [1], **hp)
 
 
 def test_stochastic_rounding_is_unbiased():

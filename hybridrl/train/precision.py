@@ -15,7 +15,7 @@ Clipping and the NaN check act on the master gradients: they are the optimizer's
 "compensated": `CompensatedAdamW` keeps no fp32 copy. The bf16 parameter is the weight, and a bf16
 compensation buffer per parameter holds what bf16 could not represent of the accumulated updates
 (Kahan summation): the effective weight is p + comp, ~16 significant bits. Each step computes in
-fp32: on CUDA in one Triton kernel pass per parameter (`triton_adamw`, no temporaries), else with
+fp32: on CUDA in one Triton kernel launch over all parameters (`triton_adamw`, no temporaries), else with
 PyTorch ops on slices of at most `CHUNK` elements (small tensors are concatenated into one slice):
 
     m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
@@ -171,14 +171,16 @@ class CompensatedAdamW(torch.optim.Optimizer):
 
     def _kernel_step(self, params: list[torch.Tensor], group: dict, step: int) -> None:
         b1, b2 = group["betas"]
-        for p, seed in zip(params, self._seeds(len(params))):
+        tensors = []
+        for p in params:
             if p.numel() >= 1 << 31:
                 raise RuntimeError(f"CompensatedAdamW's kernel takes tensors of fewer than 2**31 elements, got {p.numel()}; pass fused=False")
             state = self.state[p]
-            triton_adamw.step(
-                p, state["comp"], state["exp_avg"], state["exp_avg_sq"], p.grad.contiguous(), seed=seed, lr=group["lr"],
-                weight_decay=group["weight_decay"], b1=b1, b2=b2, eps=group["eps"], step=step,
-            )  # fmt: skip
+            tensors.append((p, state["comp"], state["exp_avg"], state["exp_avg_sq"], p.grad.contiguous()))
+        triton_adamw.step(
+            tensors, self._seeds(len(params)), lr=group["lr"], weight_decay=group["weight_decay"], b1=b1, b2=b2,
+            eps=group["eps"], step=step,
+        )  # fmt: skip
 
     def _update(self, segments: list[tuple[torch.Tensor, int, int]], group: dict, step: int, generator: torch.Generator) -> None:
         """One AdamW step on the elements [a, b) of each parameter in `segments`, computed in fp32."""
