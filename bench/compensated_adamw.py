@@ -4,9 +4,7 @@
 
 Parameters are random tensors of the model's shapes (494M at scale 1; --scale shrinks the widths'
 product roughly linearly); gradients are random bf16. Prints ms per step (mean of timed steps
-after warm-up), the step's peak extra memory, and the accuracy of clip_grad_norm_ over bf16 grads;
-on a GPU also the Triton kernel launched once over every tensor (as the optimizer runs it) against
-once per tensor.
+after warm-up), the step's peak extra memory, and the accuracy of clip_grad_norm_ over bf16 grads.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ import time
 
 import torch
 
-from hybridrl.train import triton_adamw
 from hybridrl.train.precision import CompensatedAdamW, MasterWeightAdamW
 
 
@@ -84,15 +81,7 @@ def main() -> None:
         key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=25))
 
-    if device.type == "cuda" and triton_adamw.available():
-        # the kernel over the optimizer's own state: one launch for every tensor, as the optimizer
-        # runs it, against one launch per tensor (host launches included: that is the difference)
-        groups = [(p, *(opt.state[p][k] for k in ("comp", "exp_avg", "exp_avg_sq")), p.grad) for p in params]
-        seeds = list(range(len(groups)))
-        hp = dict(lr=1e-6, weight_decay=0.1, b1=0.9, b2=0.999, eps=1e-8, step=2)
-        one = timed(lambda: triton_adamw.step(groups, seeds, **hp), device, steps=args.steps)
-        each = timed(lambda: [triton_adamw.step([g], [s], **hp) for g, s in zip(groups, seeds)], device, steps=args.steps)
-        print(f"the Triton kernel: one launch over {len(groups)} tensors {one:.2f} ms/step, one launch per tensor {each:.2f} ms/step")
+    if device.type == "cuda":
         opt.fused = False
         ms = timed(opt.step, device, steps=args.steps)
         print(f"CompensatedAdamW, PyTorch path (fused=False): {ms:.1f} ms/step")

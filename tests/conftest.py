@@ -17,6 +17,14 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = REPO / "hybridrl" / "assets" / "tiny-arith"
 
 
+@pytest.fixture(autouse=True)
+def _restore_determinism():
+    """train.deterministic switches torch's deterministic mode on for the process: no test leaks it."""
+    before = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

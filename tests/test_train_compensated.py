@@ -217,6 +217,36 @@ def test_one_kernel_launch_over_many_tensors_equals_one_per_tensor(dtype):
         triton_adamw.step([[together[0][0], together[1][1], *together[0][2:]]], [1], **hp)
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+def test_kernel_rounds_v_unbiased_with_independent_bits_per_element():
+    """The kernel's stochastic rounding of v draws one Philox call per 8 elements: with v landing
+    0.3 of a bf16 ulp above a bf16 number (g = 0, v = 1: v' = b2), 30% of elements round up, in every position of the
+    8-element groups, and neighbours (the two halves of one random word, two words of one call,
+    two calls) round up independently; a second tensor with another seed draws other bits."""
+    from hybridrl.train import triton_adamw
+
+    n, frac = 1 << 16, 0.3
+    low = 1.0 - 2**-8  # the bf16 number below 1
+    hp = dict(lr=0.0, weight_decay=0.0, b1=0.9, b2=low + frac * 2**-8, eps=1e-8, step=1)
+    groups = [[torch.zeros(n, dtype=torch.bfloat16, device=KERNEL_DEVICE) for _ in range(5)] for _ in range(2)]
+    for g in groups:
+        g[3].fill_(1.0)
+    triton_adamw.step(groups, [12345, 678], **hp)
+    ups = [(g[3].float() > low).float().cpu() for g in groups]
+    sigma = (frac * (1 - frac) / n) ** 0.5
+    for g, up in zip(groups, ups):
+        assert set(g[3].float().unique().tolist()) == {low, 1.0}
+        assert abs(up.mean().item() - frac) < 5 * sigma
+        by_position = up.view(-1, 8).mean(0)
+        assert (by_position - frac).abs().max() < 5 * sigma * 8**0.5
+        for lag in (1, 2, 8):  # halves of a word, words of a call, calls
+            both = (up[:-lag] * up[lag:]).mean().item()
+            assert abs(both - frac**2) < 5 * (frac**2 * (1 - frac**2) / n) ** 0.5, lag
+    agree = (ups[0] == ups[1]).float().mean().item()
+    assert abs(agree - (frac**2 + (1 - frac) ** 2)) < 0.02  # independent seeds: agreement by chance only
+
+
 def test_stochastic_rounding_is_unbiased():
     lo = torch.tensor(1.0 + 2**-5)  # a bf16 number; its ulp is 2**-7
     gen = torch.Generator().manual_seed(0)
@@ -441,7 +471,8 @@ def test_grpo_with_compensated_optimizer_trains_and_resumes_bit_exactly(tmp_path
 
     from hybridrl.cli.commands import build_trainer
 
-    extra = {"model.dtype": "bfloat16", "train.master_weights": "compensated", "train.total_steps": 4, "trainer.eval_every": 0}
+    extra = {"model.dtype": "bfloat16", "train.master_weights": "compensated", "train.total_steps": 4, "trainer.eval_every": 0,
+             "train.deterministic": True}
     straight = build_trainer(small_config(tmp_path / "a", arith_data, **extra))
     assert isinstance(straight.optimizer, CompensatedAdamW)
     straight.fit()

@@ -3,6 +3,8 @@ reference offload; the step record carries MFU, throughput and memory."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from conftest import bench_script, small_config
@@ -168,6 +170,26 @@ def test_host_threads_default_to_one_with_a_gpu_and_to_torchs_on_cpu():
         assert set_host_threads(1, torch.device("cpu")) == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_deterministic_turns_on_torchs_deterministic_mode_with_a_cublas_workspace(monkeypatch):
+    import torch
+
+    from hybridrl.trainer.engine import set_determinism
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    torch.use_deterministic_algorithms(False)
+    set_determinism(False)  # off: torch's setting and the environment as they were
+    assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    torch.use_deterministic_algorithms(True)
+    set_determinism(False)  # a caller's own deterministic mode is not switched off
+    assert torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
+    set_determinism(True)
+    assert torch.are_deterministic_algorithms_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    set_determinism(True)  # a workspace the user chose stays
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
 def test_num_threads_below_one_is_refused(tmp_path, arith_data):

@@ -15,10 +15,11 @@ def build_trainer(cfg: Config):
     """The engines a config describes: rollout (with the policy), reward, trainer."""
     from hybridrl import RolloutEngine, TrainerEngine
     from hybridrl.models import resolve_device
-    from hybridrl.trainer.engine import reward_from_config, set_host_threads
+    from hybridrl.trainer.engine import reward_from_config, set_determinism, set_host_threads
 
-    # Before loading, so that it runs with the threads the step will have (TrainerEngine sets the same).
+    # Before loading, so that it runs with the threads and kernels the step will have (TrainerEngine sets the same).
     set_host_threads(cfg.train.num_threads, resolve_device(cfg.train.device))
+    set_determinism(cfg.train.deterministic)
     m, r = cfg.model, cfg.rollout
     if cfg.algorithm.name == "rm":  # a reward model is a sequence classifier started from model.path, not a generator
         from hybridrl.reward.model import TrainableRewardModel

@@ -163,6 +163,10 @@ class TrainConfig:
     seed: int = 0  # seeds data order, sampling and initialisation
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
     num_threads: int | None = None  # torch intra-op threads; None: torch's default on CPU, 1 with a GPU
+    # GPU: deterministic kernels (torch.use_deterministic_algorithms, process-wide), so that two runs, or a run
+    # and its resumed copy, end bit for bit alike; off, the packed attention's backward and the gradient of the
+    # prompt keys gathered for each response add in whatever order their atomics land (CPU runs are deterministic either way)
+    deterministic: bool = False
     max_skipped_steps: int = 5  # abort after this many consecutive updates with NaN/inf
 
 
