@@ -11,6 +11,7 @@ import torch
 
 from conftest import TINY_MODEL, small_config
 from hybridrl.config import ConfigError, load_config
+from hybridrl.train import triton_adamw
 from hybridrl.train.optim import build_optimizer, build_scheduler, grad_params
 from hybridrl.train.precision import CompensatedAdamW, MasterWeightAdamW, stochastic_round
 from hybridrl.train.update import optimizer_step
@@ -169,18 +170,19 @@ def test_triton_kernel_matches_the_pytorch_path():
 
 
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: under TRITON_INTERPRET=1
+kernel_runs = pytest.mark.skipif(
+    not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1") or not triton_adamw.available(),
+    reason="needs Triton and a CUDA GPU or TRITON_INTERPRET=1",
+)
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                    reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+@kernel_runs
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_one_kernel_launch_over_many_tensors_equals_one_per_tensor(dtype):
     """The kernel finds each program's tensor in its table: one launch over tensors of sizes around
     the block edges gives, bit for bit, what one launch per tensor gives (the random bits are keyed
-    by tensor seed and offset within the tensor, so they do not depend on the launch), and matches
+    by tensor seed and 8-element group within the tensor, so they do not depend on the launch), and matches
     AdamW's formula in fp32 where no random bits are involved."""
-    from hybridrl.train import triton_adamw
-
     block = triton_adamw.BLOCK
     sizes = [1, block - 1, block, block + 1, 3 * block + 7, 5]
     gen = torch.Generator().manual_seed(0)
@@ -217,15 +219,12 @@ def test_one_kernel_launch_over_many_tensors_equals_one_per_tensor(dtype):
         triton_adamw.step([[together[0][0], together[1][1], *together[0][2:]]], [1], **hp)
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                    reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+@kernel_runs
 def test_kernel_rounds_v_unbiased_with_independent_bits_per_element():
     """The kernel's stochastic rounding of v draws one Philox call per 8 elements: with v landing
-    0.3 of a bf16 ulp above a bf16 number (g = 0, v = 1: v' = b2), 30% of elements round up, in every position of the
-    8-element groups, and neighbours (the two halves of one random word, two words of one call,
+    0.3 of a bf16 ulp above a bf16 number (g = 0, v = 1: v' = b2), 30% of elements round up, in
+    every position of the 8-element groups, and neighbours (the two halves of one random word, two words of one call,
     two calls) round up independently; a second tensor with another seed draws other bits."""
-    from hybridrl.train import triton_adamw
-
     n, frac = 1 << 16, 0.3
     low = 1.0 - 2**-8  # the bf16 number below 1
     hp = dict(lr=0.0, weight_decay=0.0, b1=0.9, b2=low + frac * 2**-8, eps=1e-8, step=1)
