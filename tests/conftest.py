@@ -20,9 +20,12 @@ TINY_MODEL = REPO / "hybridrl" / "assets" / "tiny-arith"
 @pytest.fixture(autouse=True)
 def _restore_determinism():
     """train.deterministic switches torch's deterministic mode on for the process: no test leaks it."""
-    before = torch.are_deterministic_algorithms_enabled()
+    import torch.utils.deterministic
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
     yield
-    torch.use_deterministic_algorithms(before)
+    torch.use_deterministic_algorithms(before[0])
+    torch.utils.deterministic.fill_uninitialized_memory = before[1]
 
 
 def pytest_collection_modifyitems(config, items):

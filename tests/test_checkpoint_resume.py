@@ -26,10 +26,12 @@ def run(cfg):
     return trainer
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_resume_is_bit_exact(tmp_path, arith_data, algorithm):
-    # deterministic: on a GPU the packed attention's backward adds with atomics otherwise (set_determinism)
-    extra = {"algorithm.name": algorithm, "train.total_steps": 4, "trainer.eval_every": 0, "train.deterministic": True}
+@pytest.mark.parametrize("algorithm,backend", [("grpo", "hf"), ("ppo", "hf"), ("grpo", "native")])
+def test_resume_is_bit_exact(tmp_path, arith_data, algorithm, backend):
+    # deterministic: on a GPU the packed attention's backward adds with atomics otherwise (set_determinism);
+    # the native engine samples from its own generator state, which the checkpoint must carry too
+    extra = {"algorithm.name": algorithm, "rollout.backend": backend, "train.total_steps": 4, "trainer.eval_every": 0,
+             "train.deterministic": True}
     if algorithm == "ppo":
         extra |= {"train.mini_batch_size": 16, "train.ppo_epochs": 2}  # off-policy passes, shuffled mini-batches
     straight = run(small_config(tmp_path / "a", arith_data, **extra))
@@ -37,7 +39,7 @@ def test_resume_is_bit_exact(tmp_path, arith_data, algorithm):
     half = small_config(tmp_path / "b", arith_data, **{**extra, "train.total_steps": 2})
     run(half)
     resumed = run(small_config(tmp_path / "b", arith_data, **extra))  # trainer.resume=auto picks step 2
-    assert resumed.step == 4
+    assert resumed.step == 4 and resumed.rollout.backend_name == backend
 
     for (name, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
         assert torch.equal(a, b), f"weights differ after resume: {name}"

@@ -174,6 +174,7 @@ def test_host_threads_default_to_one_with_a_gpu_and_to_torchs_on_cpu():
 
 def test_deterministic_turns_on_torchs_deterministic_mode_with_a_cublas_workspace(monkeypatch):
     import torch
+    import torch.utils.deterministic
 
     from hybridrl.trainer.engine import set_determinism
 
@@ -185,8 +186,10 @@ def test_deterministic_turns_on_torchs_deterministic_mode_with_a_cublas_workspac
     set_determinism(False)  # a caller's own deterministic mode is not switched off
     assert torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(False)
+    torch.utils.deterministic.fill_uninitialized_memory = True
     set_determinism(True)
     assert torch.are_deterministic_algorithms_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert not torch.utils.deterministic.fill_uninitialized_memory  # no NaN fill of every new tensor
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     set_determinism(True)  # a workspace the user chose stays
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
