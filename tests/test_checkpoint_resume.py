@@ -29,7 +29,7 @@ def run(cfg):
 @pytest.mark.parametrize("algorithm,backend", [("grpo", "hf"), ("ppo", "hf"), ("grpo", "native")])
 def test_resume_is_bit_exact(tmp_path, arith_data, algorithm, backend):
     # deterministic: on a GPU the packed attention's backward adds with atomics otherwise (set_determinism);
-    # the native engine samples from its own generator state, which the checkpoint must carry too
+    # the native engine draws its sampling noise from the seeds the trainer passes per request, not from a generator
     extra = {"algorithm.name": algorithm, "rollout.backend": backend, "train.total_steps": 4, "trainer.eval_every": 0,
              "train.deterministic": True}
     if algorithm == "ppo":
