@@ -127,7 +127,8 @@ def compare_kernels(args, device) -> dict:
     grad = torch.randn(1, flash_layout.length, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
     mask = _block_mask(flex_layout, L, device)
     compiled = torch.compile(flex_attention)
-    seg = VarlenSegments(flash_layout.cu_seq_q, flash_layout.cu_seq_k, flash_layout.kv_index, flash_layout.max_q, flash_layout.max_k)
+    seg = VarlenSegments(flash_layout.cu_seq_q, flash_layout.cu_seq_k, flash_layout.kv_index, flash_layout.kv_copies,
+                         flash_layout.max_q, flash_layout.max_k)
     n = flash_layout.length
     scale = args.head_dim**-0.5
 

@@ -571,3 +571,29 @@ def test_tuned_lm_head_products_give_the_same_logprobs_and_gradients(monkeypatch
         got, want = got.float(), want.float()
         assert (got - want).norm() <= 1e-2 * want.norm() + 1e-6
         assert (got - want).abs().max() <= 3e-2 * want.abs().max() + 1e-6
+
+
+@gpu
+def test_packed_keys_gradient_is_ordered_and_launches_no_sort_in_deterministic_mode():
+    """The packed keys' gather (attention.gather_rows) on the GPU, compiled as the layer groups are,
+    under torch's deterministic mode: its gradient equals index_select's summed in fp64, comes out
+    the same bit for bit on every call, and launches no index_put_ (whose sorted form cost ~9,700
+    kernel launches a W0.5B training step before it: train/NOTES.md, session 29)."""
+    from hybridrl.train.attention import gather_rows
+    from hybridrl.train.packing import pack_sequences
+
+    torch.use_deterministic_algorithms(True)  # conftest restores the mode after the test
+    layout = pack_sequences(_batch()).to(torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(layout.length, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    grad = torch.randn(layout.kv_index.numel(), 2, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    fn = torch.compile(gather_rows, dynamic=True)
+    first = torch.autograd.grad(fn(x, layout.kv_index, layout.kv_copies), x, grad)[0]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        again = torch.autograd.grad(fn(x, layout.kv_index, layout.kv_copies), x, grad)[0]
+        torch.cuda.synchronize()
+    assert torch.equal(first, again)
+    names = " ".join(e.name for e in prof.events())
+    assert "index_put" not in names and "radix_sort" not in names and "index_add" not in names
+    want = torch.zeros(x.shape, dtype=torch.float64, device="cuda").index_add_(0, layout.kv_index, grad.double())
+    torch.testing.assert_close(first.double(), want, atol=1e-6, rtol=2**-8)  # one bf16 rounding of the fp32 sum

@@ -5,16 +5,17 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from hybridrl.models import load_critic
-from hybridrl.train.attention import BLOCK, _block_mask, enable_packed_attention, varlen_attention, packed_attention_mask
+from hybridrl.train.attention import BLOCK, _block_mask, enable_packed_attention, gather_rows, varlen_attention, packed_attention_mask
 from hybridrl.train.batch import build_sequence_batch
 from hybridrl.train.logprobs import response_logprobs, response_values
 from hybridrl.train import packing
-from hybridrl.train.packing import PackedLayout, _bucket, _rows, _Rows, micro_batch_work, pack_sequences, plan_micro_batches
+from hybridrl.train.packing import PackedLayout, _bucket, _rows, _Rows, key_copies, micro_batch_work, pack_sequences, plan_micro_batches
 
 
 def _batch(num_prompts=4, n=3, seed=0, max_response=7):
@@ -158,6 +159,52 @@ def test_varlen_segments_compute_the_packed_mask_attention(pad):
     torch.testing.assert_close(got[:real], want[:real])
 
 
+@pytest.mark.parametrize("pad", [1, BLOCK])
+def test_key_copies_list_every_copy_of_each_position_in_order(pad):
+    """In torch's deterministic mode kv_copies row j holds exactly the places i with kv_index[i] == j,
+    ascending, then K: a prompt token once for its prompt and once for each of its responses, every
+    other position once. Outside that mode the layout has none (the keys' gradient keeps index_add_)."""
+    batch = _batch(num_prompts=4, n=3, seed=5, max_response=9)
+    assert pack_sequences(batch, pad_to_multiple=pad).kv_copies is None
+    torch.use_deterministic_algorithms(True)  # conftest restores the mode after the test
+    layout = pack_sequences(batch, pad_to_multiple=pad)
+    kv, copies, K = layout.kv_index.tolist(), layout.kv_copies, layout.kv_index.numel()
+    assert copies.shape[0] == layout.length and copies.dtype == torch.int64
+    for j in range(layout.length):
+        want = [i for i, src in enumerate(kv) if src == j]
+        row = copies[j].tolist()
+        assert row == want + [K] * (copies.shape[1] - len(want)), j
+    is_prompt = layout.branch_ids[: layout.num_tokens] == 0
+    counts = (copies < K).sum(1)
+    assert (counts[: layout.num_tokens][~is_prompt] == 1).all() and (counts[layout.num_tokens :] == 1).all()
+    assert copies.shape[1] == int(counts.max()) == 1 + 3  # a prompt token: its prompt, then 3 responses
+    empty = key_copies(np.zeros(0, dtype=np.int64), 0)
+    assert empty.shape == (0, 1)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gather_rows_gradient_is_index_selects_summed_in_fixed_order(compiled):
+    """gather_rows (the packed keys' gather) returns index_select's rows, and its gradient equals
+    index_select's (index_add_'s) to fp32 rounding, eagerly and compiled; its backward calls neither
+    index_add_ (atomics on a GPU) nor index_put_ (the sorted form torch's deterministic mode puts there)."""
+    torch.use_deterministic_algorithms(True)  # conftest restores the mode after the test
+    batch = _batch(num_prompts=3, n=4, seed=11, max_response=9)
+    layout = pack_sequences(batch, pad_to_multiple=4)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(layout.length, 2, 8, generator=g, requires_grad=True)
+    grad = torch.randn(layout.kv_index.numel(), 2, 8, generator=g)
+    fn = torch.compile(gather_rows, backend="aot_eager", fullgraph=True) if compiled else gather_rows
+    rows = fn(x, layout.kv_index, layout.kv_copies)
+    assert torch.equal(rows, x.index_select(0, layout.kv_index))
+    (got,) = torch.autograd.grad(rows, x, grad)
+    (want,) = torch.autograd.grad(x.index_select(0, layout.kv_index), x, grad)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    with torch.profiler.profile() as prof:
+        torch.autograd.grad(gather_rows(x, layout.kv_index, layout.kv_copies), x, grad)
+    names = {e.name for e in prof.events()}
+    assert "aten::index_add" not in names and "aten::index_put_" not in names and "aten::_index_put_impl_" not in names
+
+
 def test_flash_reference_is_segment_attention_with_its_gradients():
     """Off CUDA, `varlen_attention` (the flash kernel's contract: grouped-query heads, bottom-right
     causal segments) runs a dense reference; its output and its hand-written backward (from the saved
@@ -181,14 +228,18 @@ def test_flash_reference_is_segment_attention_with_its_gradients():
     assert K == layout.cu_seq_k[-1]
 
 
-def test_compiled_layer_groups_match_the_eager_model_with_checkpointing():
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_compiled_layer_groups_match_the_eager_model_with_checkpointing(deterministic):
     """train.compile_layers_per_graph=2 on a 3-layer model (groups of 2 and 1): the layers, their
     gradient checkpointing and the varlen attention traced into one graph per group (no graph
     breaks), over packed micro-batches of changing shapes, give the eager HF forward's log-probs and
-    gradients; parameters and state dict are the model's own."""
+    gradients; parameters and state dict are the model's own. In torch's deterministic mode the
+    keys' gradient goes through gather_rows' ordered sum, in both."""
     import transformers
 
     from hybridrl.train.setup import compile_layers
+
+    torch.use_deterministic_algorithms(deterministic)  # conftest restores the mode after the test
 
     config = transformers.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                       num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
@@ -267,13 +318,16 @@ def test_compiled_layer_groups_compile_once_per_grad_mode():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_compile_dynamic_compiles_one_training_graph_for_every_micro_batch_size(dynamic):
+def test_compile_dynamic_compiles_one_training_graph_for_every_micro_batch_size(dynamic, deterministic):
     """train.compile_dynamic: micro-batches of different tokens, segments and gathered keys (the
-    longest segments' buckets equal) run through one training graph; without it, two."""
+    longest segments' buckets equal) run through one training graph; without it, two. So too in
+    torch's deterministic mode, where the keys' copies table (kv_copies) also changes width."""
     from hybridrl.config import TrainConfig
     from hybridrl.train.setup import compile_layers, prepare_for_training
 
+    torch.use_deterministic_algorithms(deterministic)  # conftest restores the mode after the test
     model = _tiny_qwen2(num_layers=4)
     prepare_for_training(model, TrainConfig(packing="on", packed_attention="flash"), gradient_checkpointing=True)
     compile_layers(model, 2, dynamic_tokens=dynamic)
@@ -287,6 +341,7 @@ def test_compile_dynamic_compiles_one_training_graph_for_every_micro_batch_size(
         batch = dataclasses.replace(batch, packed=True)
         layout = pack_sequences(batch)
         assert (layout.max_q, layout.max_k) == (8, 16)
+        assert (layout.kv_copies is not None and layout.kv_copies.shape[1] == n + 1) if deterministic else layout.kv_copies is None
         lp, _ = response_logprobs(model, batch)
         lp.sum().backward()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == (1 if dynamic else 2)
@@ -402,6 +457,7 @@ def _reference_pack_sequences(batch, *, pad_to_multiple=1):
         seg_k.append(seg_k[-1] + pad)
     empty = torch.zeros(0, dtype=torch.long)
     cu_q, cu_k = torch.tensor(seg_q, dtype=torch.int32), torch.tensor(seg_k, dtype=torch.int32)
+    kv_index = torch.cat(kv_pieces) if kv_pieces else empty
     return PackedLayout(
         input_ids=torch.cat(pieces)[None],
         position_ids=torch.cat(positions)[None],
@@ -413,7 +469,8 @@ def _reference_pack_sequences(batch, *, pad_to_multiple=1):
         num_tokens=num_tokens,
         cu_seq_q=cu_q,
         cu_seq_k=cu_k,
-        kv_index=torch.cat(kv_pieces) if kv_pieces else empty,
+        kv_index=kv_index,
+        kv_copies=torch.from_numpy(key_copies(kv_index.numpy(), num_tokens + pad)) if torch.are_deterministic_algorithms_enabled() else None,
         max_q=_bucket(int((cu_q[1:] - cu_q[:-1]).max()) if len(seg_q) > 1 else 1),
         max_k=_bucket(int((cu_k[1:] - cu_k[:-1]).max()) if len(seg_k) > 1 else 1),
     )

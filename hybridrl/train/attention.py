@@ -68,6 +68,7 @@ class VarlenSegments:
     cu_seq_q: torch.Tensor
     cu_seq_k: torch.Tensor
     kv_index: torch.Tensor
+    kv_copies: torch.Tensor | None  # set in torch's deterministic mode: the keys' gradient is then ordered
     max_q: int
     max_k: int
     kernel: str = "flash"  # "flash" (PyTorch's FlashAttention-2), "triton" / "triton_full" (triton_varlen) or "fa4"
@@ -209,11 +210,47 @@ def _varlen_reference_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, scale):
     return dq.to(q.dtype).contiguous(), fold(dk).to(k.dtype).contiguous(), fold(dv).to(v.dtype).contiguous()
 
 
+class _GatherRows(torch.autograd.Function):
+    """`x.index_select(0, index)`, whose gradient is summed copy by copy in a fixed order.
+
+    `copies` `[len(x), M]`: for each row of x, the places in `index` that copy it, ascending, then
+    `len(index)` (a zero row) up to M (PackedLayout.kv_copies). index_select's own gradient is
+    `index_add_`, which adds with atomics: the order, and so the last bits, change from run to run.
+    torch's deterministic mode swaps it for a sorted `index_put_`, which at W0.5B added ~9,700 kernel
+    launches a training step (radix sorts, bounds checks), in a phase bound by its host's launches.
+    Gathering each row's copies and adding them up is ordered by construction and sums in fp32.
+    W0.5B on an H200 with the mode on (train/NOTES.md, session 29): 2.61 s a step against 3.04 s,
+    the training phase 1.374 against 1.820 s. It also raised the peak from 6.399 to 6.591 GiB (cause
+    not established), and with the mode off it was no faster than index_add_; so with the mode off
+    the trainer keeps index_select and its atomics (PackedLayout.kv_copies is None)."""
+
+    @staticmethod
+    def forward(x, index, copies):
+        return x.index_select(0, index)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (copies,) = ctx.saved_tensors
+        padded = torch.cat([grad, grad.new_zeros((1, *grad.shape[1:]))])
+        return padded[copies].sum(1, dtype=torch.float32).to(grad.dtype), None, None
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, copies: torch.Tensor | None) -> torch.Tensor:
+    """`x.index_select(0, index)`; with `copies`, its gradient is ordered (see `_GatherRows`)."""
+    if copies is None:
+        return x.index_select(0, index)
+    return _GatherRows.apply(x, index, copies)
+
+
 def _flash_varlen_attention(query, key, value, seg: VarlenSegments, scaling: float | None):
     """query `[1, H, L, D]`, key / value `[1, Hkv, L, D]` (HF's layout) -> `[1, L, H, D]`."""
     q = query[0].transpose(0, 1).contiguous()
-    k = key[0].transpose(0, 1).index_select(0, seg.kv_index)
-    v = value[0].transpose(0, 1).index_select(0, seg.kv_index)
+    k = gather_rows(key[0].transpose(0, 1), seg.kv_index, seg.kv_copies)
+    v = gather_rows(value[0].transpose(0, 1), seg.kv_index, seg.kv_copies)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out, _ = varlen_attention(q, k, v, seg.cu_seq_q, seg.cu_seq_k, seg.max_q, seg.max_k, scale, seg.kernel)
     return out[None]
@@ -352,7 +389,7 @@ def packed_forward_inputs(layout: PackedLayout, kernel: str) -> dict:
     `flash` and `fa4` (the mask argument is then an empty 4-D placeholder that HF passes through untouched;
     off CUDA they run through the dense reference), else `packed_attention_mask(layout)`."""
     if kernel in VARLEN_KERNELS:
-        seg = VarlenSegments(layout.cu_seq_q, layout.cu_seq_k, layout.kv_index, layout.max_q, layout.max_k, kernel)
+        seg = VarlenSegments(layout.cu_seq_q, layout.cu_seq_k, layout.kv_index, layout.kv_copies, layout.max_q, layout.max_k, kernel)
         return {"attention_mask": _placeholder_mask(layout.input_ids.device), "hybridrl_varlen": seg}
     return {"attention_mask": packed_attention_mask(layout)}
 

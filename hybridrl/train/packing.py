@@ -55,6 +55,11 @@ class PackedLayout:
     cu_seq_q: torch.Tensor  # [S+1] int32
     cu_seq_k: torch.Tensor  # [S+1] int32
     kv_index: torch.Tensor  # [K] int64
+    # [L, M] int64, made only in torch's deterministic mode (None otherwise): for each row position,
+    # the places in kv_index that copy it, ascending, padded with K (M: the most copies of one
+    # position, a prompt token's 1 + its responses). The keys' gradient then gathers and sums these in
+    # order (attention.gather_rows), instead of index_add_'s atomics or that mode's sorted index_put_.
+    kv_copies: torch.Tensor | None
     max_q: int
     max_k: int
 
@@ -65,7 +70,7 @@ class PackedLayout:
     def to(self, device: torch.device) -> "PackedLayout":
         return replace(self, **{k: to_device(getattr(self, k), device) for k in
                                 ("input_ids", "position_ids", "doc_ids", "branch_ids", "logit_index", "labels", "target_index",
-                                 "cu_seq_q", "cu_seq_k", "kv_index")})  # fmt: skip
+                                 "cu_seq_q", "cu_seq_k", "kv_index", "kv_copies") if getattr(self, k) is not None})  # fmt: skip
 
 
 @dataclass
@@ -132,6 +137,7 @@ def pack_sequences(batch: SequenceBatch, *, pad_to_multiple: int = 1) -> PackedL
         cu_seq_q=cu_q,
         cu_seq_k=cu_k,
         kv_index=torch.from_numpy(kv_index),
+        kv_copies=torch.from_numpy(key_copies(kv_index, num_tokens + pad)) if torch.are_deterministic_algorithms_enabled() else None,
         max_q=_bucket(int(q_lens.max()) if len(q_lens) else 1),
         max_k=_bucket(int(k_lens.max()) if len(k_lens) else 1),
     )
@@ -176,6 +182,18 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """arange(starts[i], starts[i] + lengths[i]) for every i, concatenated (int64)."""
     ends = np.cumsum(lengths)
     return np.repeat(starts - ends + lengths, lengths) + np.arange(ends[-1] if len(ends) else 0)
+
+
+def key_copies(kv_index: np.ndarray, length: int) -> np.ndarray:
+    """PackedLayout.kv_copies of a row of `length` positions: `[length, M]`, row j the places i with
+    kv_index[i] == j in ascending order, then len(kv_index) to fill the row."""
+    K = len(kv_index)
+    counts = np.bincount(kv_index, minlength=length)
+    order = np.argsort(kv_index, kind="stable")
+    rank = np.arange(K) - (np.cumsum(counts) - counts)[kv_index[order]]
+    copies = np.full((length, max(int(counts.max(initial=0)), 1)), K, dtype=np.int64)
+    copies[kv_index[order], rank] = order
+    return copies
 
 
 def _bucket(n: int) -> int:

@@ -148,3 +148,6 @@ def _mark_token_dims_dynamic(hidden, position_ids, position_embeddings, segments
     if segments is not None:  # VarlenSegments (train/attention.py)
         for t in (segments.cu_seq_q, segments.cu_seq_k, segments.kv_index):
             mark(t, 0)
+        if segments.kv_copies is not None:  # torch's deterministic mode (train/attention.py, gather_rows)
+            mark(segments.kv_copies, 0)
+            mark(segments.kv_copies, 1)  # the most copies of a position: 1 + the responses of a prompt

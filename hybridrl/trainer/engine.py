@@ -77,19 +77,23 @@ def set_determinism(deterministic: bool) -> None:
     for the gradient of the prompt keys that each response attends to, so two runs of the same
     config differ in the last bits from the first update on (seen on an H200: 42 of the tiny
     model's 51 tensors after four steps) and a resumed run cannot continue the straight one bit
-    for bit. torch's deterministic mode switches both to their ordered forms; cuBLAS then needs a
-    fixed workspace configuration (CUBLAS_WORKSPACE_CONFIG, set here unless already set). Off,
-    torch's setting is left as the caller made it.
+    for bit. torch's deterministic mode switches the attention to its ordered form; the packed
+    layouts then carry a table of each key's copies, and the keys' gradient is their ordered sum
+    (train/attention.py, gather_rows) rather than the sorted `index_put_` torch would put in
+    index_add_'s place (~9,700 more kernel launches a W0.5B step, in a phase bound by its host's
+    launches). cuBLAS then needs a fixed workspace configuration (CUBLAS_WORKSPACE_CONFIG, set here
+    unless already set). Off, torch's setting is left as the caller made it.
 
     torch's deterministic mode also fills every new uninitialised tensor with NaN
     (`torch.utils.deterministic.fill_uninitialized_memory`), for code that reads memory it never
     wrote. That is switched off here: hybridrl's kernels write what they read, and the fill is one
-    more kernel for each `torch.empty`, captured into every CUDA graph too. W0.5B on an H200, each
-    against the mode off in the same call: with the fill the step took 3.13 s against 2.40 s (the
-    decode loop 0.988 against 0.825 s); without it 2.97 s against 2.37 s (decode 0.819 against
-    0.824 s). What is left is the training phase (1.760 against 1.166 s): the ordered forms of the
-    backward's accumulations add ~10k kernel launches a step, and the phase is bound by the host's
-    launches."""
+    more kernel for each `torch.empty`, captured into every CUDA graph too (W0.5B on an H200: the
+    decode loop 0.988 s with it against 0.825 s with the mode off).
+
+    W0.5B on an H200 (train/NOTES.md, sessions 28-29), each against the mode off in the same call:
+    with the sorted index_put_ the step took 2.97-3.04 s against 2.37-2.44 s (training phase
+    1.760-1.820 against 1.166-1.202 s); with the ordered sum 2.61 s against 2.40 s (1.374 against
+    1.184 s)."""
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
