@@ -163,10 +163,13 @@ def test_varlen_segments_compute_the_packed_mask_attention(pad):
 def test_key_copies_list_every_copy_of_each_position_in_order(pad):
     """In torch's deterministic mode kv_copies row j holds exactly the places i with kv_index[i] == j,
     ascending, then K: a prompt token once for its prompt and once for each of its responses, every
-    other position once. Outside that mode the layout has none (the keys' gradient keeps index_add_)."""
+    other position once. Outside that mode the layout has none (the keys' gradient keeps index_add_),
+    nor without gradients (the reference pass: no keys' gradient to order)."""
     batch = _batch(num_prompts=4, n=3, seed=5, max_response=9)
     assert pack_sequences(batch, pad_to_multiple=pad).kv_copies is None
     torch.use_deterministic_algorithms(True)  # conftest restores the mode after the test
+    with torch.no_grad():
+        assert pack_sequences(batch, pad_to_multiple=pad).kv_copies is None
     layout = pack_sequences(batch, pad_to_multiple=pad)
     kv, copies, K = layout.kv_index.tolist(), layout.kv_copies, layout.kv_index.numel()
     assert copies.shape[0] == layout.length and copies.dtype == torch.int64
@@ -470,7 +473,7 @@ def _reference_pack_sequences(batch, *, pad_to_multiple=1):
         cu_seq_q=cu_q,
         cu_seq_k=cu_k,
         kv_index=kv_index,
-        kv_copies=torch.from_numpy(key_copies(kv_index.numpy(), num_tokens + pad)) if torch.are_deterministic_algorithms_enabled() else None,
+        kv_copies=torch.from_numpy(key_copies(kv_index.numpy(), num_tokens + pad)) if packing._ordered_key_gradient() else None,
         max_q=_bucket(int((cu_q[1:] - cu_q[:-1]).max()) if len(seg_q) > 1 else 1),
         max_k=_bucket(int((cu_k[1:] - cu_k[:-1]).max()) if len(seg_k) > 1 else 1),
     )

@@ -55,10 +55,12 @@ class PackedLayout:
     cu_seq_q: torch.Tensor  # [S+1] int32
     cu_seq_k: torch.Tensor  # [S+1] int32
     kv_index: torch.Tensor  # [K] int64
-    # [L, M] int64, made only in torch's deterministic mode (None otherwise): for each row position,
-    # the places in kv_index that copy it, ascending, padded with K (M: the most copies of one
-    # position, a prompt token's 1 + its responses). The keys' gradient then gathers and sums these in
-    # order (attention.gather_rows), instead of index_add_'s atomics or that mode's sorted index_put_.
+    # [L, M] int64, made only for a forward with gradients in torch's deterministic mode (None
+    # otherwise: the reference and old-log-prob passes have no keys' gradient to order): for each row
+    # position, the places in kv_index that copy it, ascending, padded with K (M: the most copies of
+    # one position, a prompt token's 1 + its responses). The keys' gradient then gathers and sums
+    # these in order (attention.gather_rows), instead of index_add_'s atomics or that mode's sorted
+    # index_put_.
     kv_copies: torch.Tensor | None
     max_q: int
     max_k: int
@@ -137,7 +139,7 @@ def pack_sequences(batch: SequenceBatch, *, pad_to_multiple: int = 1) -> PackedL
         cu_seq_q=cu_q,
         cu_seq_k=cu_k,
         kv_index=torch.from_numpy(kv_index),
-        kv_copies=torch.from_numpy(key_copies(kv_index, num_tokens + pad)) if torch.are_deterministic_algorithms_enabled() else None,
+        kv_copies=torch.from_numpy(key_copies(kv_index, num_tokens + pad)) if _ordered_key_gradient() else None,
         max_q=_bucket(int(q_lens.max()) if len(q_lens) else 1),
         max_k=_bucket(int(k_lens.max()) if len(k_lens) else 1),
     )
@@ -182,6 +184,12 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """arange(starts[i], starts[i] + lengths[i]) for every i, concatenated (int64)."""
     ends = np.cumsum(lengths)
     return np.repeat(starts - ends + lengths, lengths) + np.arange(ends[-1] if len(ends) else 0)
+
+
+def _ordered_key_gradient() -> bool:
+    """Whether a layout packed now needs kv_copies: the forward it feeds will take gradients, under
+    torch's deterministic mode (pack_sequences runs in the forward's own grad mode, logprobs._run)."""
+    return torch.is_grad_enabled() and torch.are_deterministic_algorithms_enabled()
 
 
 def key_copies(kv_index: np.ndarray, length: int) -> np.ndarray:
