@@ -79,10 +79,9 @@ def set_determinism(deterministic: bool) -> None:
     model's 51 tensors after four steps) and a resumed run cannot continue the straight one bit
     for bit. torch's deterministic mode switches the attention to its ordered form; the packed
     layouts of forwards with gradients then carry a table of each key's copies, and the keys'
-    gradient is their ordered sum
-    (train/attention.py, gather_rows) rather than the sorted `index_put_` torch would put in
-    index_add_'s place (~9,700 more kernel launches a W0.5B step, in a phase bound by its host's
-    launches). cuBLAS then needs a fixed workspace configuration (CUBLAS_WORKSPACE_CONFIG, set here
+    gradient is their ordered sum (train/attention.py, gather_rows) rather than the sorted
+    `index_put_` torch would put in index_add_'s place (~9,700 more kernel launches a W0.5B step,
+    in a phase bound by its host's launches). cuBLAS then needs a fixed workspace configuration (CUBLAS_WORKSPACE_CONFIG, set here
     unless already set). Off, torch's setting is left as the caller made it.
 
     torch's deterministic mode also fills every new uninitialised tensor with NaN
