@@ -56,3 +56,62 @@ def _collecting(generate, forced):
         return generate(*args, **kwargs)
 
     return wrapper
+
+
+def test_freeze_collects_the_garbage_first_and_unfreeze_returns_the_objects():
+    """`freeze` runs a full collection before gc.freeze: cyclic garbage made before it is freed, not
+    frozen; live objects go to the permanent generation; `unfreeze` gives them back."""
+    import weakref
+
+    assert gc.get_freeze_count() == 0
+    clock = GcClock()
+    garbage = _Cycle()
+    dead = weakref.ref(garbage)
+    alive = _Cycle()
+    del garbage
+    with clock:
+        frozen = clock.freeze()
+    assert dead() is None  # collected by the freeze's own collection
+    assert frozen > 0 and gc.get_freeze_count() > 0
+    assert all(o is not alive for o in gc.get_objects())  # frozen: no generation lists it now
+    assert clock.pop()["perf/gc_collections"] >= 1  # the freeze's collection is the step's time
+    clock.unfreeze()
+    assert gc.get_freeze_count() == 0
+    clock.unfreeze()  # twice: a no-op
+    assert gc.get_freeze_count() == 0
+
+
+def test_freeze_leaves_a_process_that_froze_objects_itself_alone():
+    gc.freeze()
+    gc.disable()  # no automatic collection inside the check below
+    try:
+        clock = GcClock()
+        with clock:
+            assert clock.freeze() == 0
+        assert clock.pop()["perf/gc_collections"] == 0  # no collection either
+        clock.unfreeze()
+        assert gc.get_freeze_count() > 0  # its objects stay frozen (the count itself falls as frozen objects are freed)
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def test_fit_freezes_after_the_first_step_and_unfreezes_at_the_end(tmp_path, arith_data):
+    """trainer.gc_freeze (default on): from step 2 on the run's long-lived objects are frozen; after
+    fit they are the collector's again, so a trainer dropped afterwards is freed. Off: no freeze."""
+    import weakref
+
+    seen = {}
+    for on in (True, False):
+        cfg = small_config(tmp_path / str(on), arith_data, **{"train.total_steps": 2, "trainer.save_every": 0, "data.eval_path": "null",
+                                                              "train.batch_size": 16, "train.micro_batch_size": 8, "trainer.gc_freeze": on})  # fmt: skip
+        trainer = build_trainer(cfg)
+        counts = []
+        trainer.fit(stop_when=lambda record: counts.append(gc.get_freeze_count()) and False)
+        seen[on] = counts
+        assert gc.get_freeze_count() == 0
+        model = weakref.ref(trainer.model)
+        del trainer
+        gc.collect()
+        assert model() is None  # nothing of the run stays frozen after fit
+    assert all(c > 0 for c in seen[True]) and seen[False] == [0, 0]

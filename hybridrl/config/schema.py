@@ -180,6 +180,10 @@ class TrainerConfig:
     eval_every: int = 0  # evaluate on data.eval_path every N steps; 0 disables
     eval_samples: int = 200  # held-out prompts used per evaluation
     progress: bool = True  # show a progress bar on the console
+    # After the first step, and after any step that compiled, collect once and freeze what survives
+    # (gc.freeze), so the Python collector's full collections, which stop the host, stay short.
+    # Unfrozen when fit returns. See metrics/timing.py GcClock.
+    gc_freeze: bool = True
     continue_on_save_error: bool = False  # keep training if a checkpoint or metrics record cannot be written
     # After SIGTERM/SIGINT the current step may run this long; if it has not started its update by
     # then it is abandoned. Keep it below the scheduler's kill delay (Slurm, Kubernetes: ~30 s).

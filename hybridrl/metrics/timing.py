@@ -106,14 +106,22 @@ class PhaseTimer:
 
 
 class GcClock:
-    """Time the Python garbage collector takes, read per step as `perf/gc_s` and `perf/gc_collections`.
+    """Time the Python garbage collector takes, read per step as `perf/gc_s` and `perf/gc_collections`,
+    and the freeze that keeps its full collections short (`trainer.gc_freeze`).
 
     A full (generation 2) collection walks every container object the process holds (after
     transformers and torch.compile, hundreds of thousands to millions), and the host launches
-    nothing meanwhile, so a long one would show as GPU idle time in some phase. The step record says
-    how much of the step it was. (W0.5B on one H200: 4-8 ms a step, with or without `gc.freeze()`
-    after the first step, so nothing here freezes.) Collections run in whichever thread allocates,
-    so a helper thread's collections are counted too.
+    nothing meanwhile, so it shows as GPU idle time in whichever phase it falls. Most steps see only
+    young collections (W0.5B on one H200: 4-8 ms a step), but a full one took 0.72 s of a 3.14 s
+    step, inside the rollout (train/NOTES.md, session 30). `freeze` runs one full collection and
+    then moves every surviving object into the collector's permanent generation (`gc.freeze`), so
+    later full collections walk only what was made after it: the trainer calls it after the first
+    step and after any step that compiled, when the long-lived objects (models, compiled graphs,
+    kernels) exist. `unfreeze` at the end of `fit` returns them to the collector, so a trainer
+    dropped afterwards (a notebook, a sweep, a test suite) is collected. Frozen objects that become
+    garbage during the run are collected only then. A process that had already frozen objects
+    itself (`gc.get_freeze_count() > 0` at the first freeze) is left alone. Collections run in
+    whichever thread allocates, so a helper thread's collections are counted too.
     """
 
     def __init__(self):
@@ -121,6 +129,8 @@ class GcClock:
         self._collections = 0
         self._start: float | None = None
         self._installed = False
+        self._froze = False  # this clock has frozen objects that `unfreeze` returns
+        self._foreign_freeze = False  # the process had frozen objects of its own: never touch them
 
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -140,6 +150,24 @@ class GcClock:
         if self._installed:
             gc.callbacks.remove(self._callback)
             self._installed = False
+
+    def freeze(self) -> int:
+        """One full collection, then what survives goes to the permanent generation; returns how
+        many objects are frozen (0 where the process froze objects of its own before)."""
+        if not self._froze and gc.get_freeze_count() > 0:
+            self._foreign_freeze = True
+        if self._foreign_freeze:
+            return 0
+        gc.collect()
+        gc.freeze()
+        self._froze = True
+        return gc.get_freeze_count()
+
+    def unfreeze(self) -> None:
+        """Returns what `freeze` froze to the collector (a no-op if it froze nothing)."""
+        if self._froze:
+            gc.unfreeze()
+            self._froze = False
 
     def pop(self) -> dict[str, float]:
         out = {"perf/gc_s": self._seconds, "perf/gc_collections": float(self._collections)}
@@ -212,6 +240,10 @@ class CompileClock:
             knobs, knobs.jit_cache_hook, knobs.jit_post_compile_hook = self._saved_hooks
             self._saved_hooks = None
         self._starts.clear()
+
+    def compiled(self) -> bool:
+        """Whether anything compiled since the last `pop` (without popping it)."""
+        return bool(self._triton_names) or self._torch_entries() != self._torch_seen
 
     def pop(self) -> dict[str, float]:
         timings, graphs, torch_s = self._dynamo_timings(), 0, 0.0

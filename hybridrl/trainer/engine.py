@@ -259,6 +259,7 @@ class TrainerEngine:
             progress.close()
             self.journal.close()
             self.journal = None
+            self.gc_clock.unfreeze()  # the run's objects go back to the collector (a trainer dropped later is freed)
         if eval_data is not None and not preemption.requested:
             summary["eval_after"] = self.evaluate(eval_data)
         summary |= {"steps": self.step, "output_dir": str(self.output_dir), "metrics": str(self.metrics.path),
@@ -295,6 +296,8 @@ class TrainerEngine:
         try:
             with self.gc_clock, self.compile_clock, self.timer.phase("step"):
                 result = rl_step(self, prompts) if self.spec.kind == "rl" else offline_step(self, prompts)
+                if self.config.trainer.gc_freeze and (not self._stepped or self.compile_clock.compiled()):
+                    self.gc_clock.freeze()  # the long-lived objects exist now: keep later full collections short
         except torch.OutOfMemoryError as e:  # rollout and training micro-batches retry; other passes cannot
             raise oom.OutOfMemoryError("a forward pass (reference / old log-probs / values)") from e
         if self.journal is not None:
