@@ -207,6 +207,26 @@ def wall_clock_steps(trainer, device: str) -> list[float]:
     return times
 
 
+def full_collection_after_last_step(trainer) -> dict:
+    """After the last step, while the run's objects are as training left them (frozen or not,
+    `trainer.gc_freeze`), times one full garbage collection: what a generation-2 collection that
+    falls inside a step would cost it. Returns the dict it fills."""
+    out: dict = {}
+    original = trainer.train_step
+
+    def train_step(prompts):
+        record = original(prompts)
+        if trainer.step == trainer.config.train.total_steps:
+            tracked, frozen = len(gc.get_objects()), gc.get_freeze_count()
+            start = time.perf_counter()
+            gc.collect()
+            out.update(seconds=time.perf_counter() - start, tracked=tracked, frozen=frozen)
+        return record
+
+    trainer.train_step = train_step
+    return out
+
+
 def apply_inductor_settings(overrides: list[str]) -> list[str]:
     """Sets each `inductor.NAME=VALUE` override on `torch._inductor.config` (a dotted NAME for its
     sub-configs: `inductor.triton.cudagraphs=true`) and returns the others, hybridrl's config keys.
@@ -277,6 +297,7 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
     if profile:
         profile_step(trainer, profile, trace=trace)
     wall = wall_clock_steps(trainer, device)
+    full_gc = full_collection_after_last_step(trainer)
     trainer.fit(str(data))
     records = read_records(work_dir / "run" / "metrics.jsonl")
     if not records:
@@ -291,6 +312,7 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
         "step_time_s": mean("timing/step"),
         "step_times_s": [r["timing/step"] for r in records],
         "host_step_times_s": wall,  # the same steps on the host's clock, as TRL's are measured
+        "full_gc_after_last_step": full_gc,  # seconds of one full collection then; tracked and frozen objects
         "response_tokens_per_step": mean("rollout/response_length/mean") * w.responses,
         "peak_allocated_gib": max(r.get("memory/peak_allocated_gib") or 0.0 for r in records) if device == "cuda" else None,
         "phases_s": {k.removeprefix("timing/"): mean(k) for k in phases if k.count("/") == 1},
@@ -476,6 +498,10 @@ def print_table(result: dict) -> None:
         if h.get("peak_by_phase_gib"):
             print("hybridrl peak allocated by phase (GiB, steps after the first): "
                   + ", ".join(f"{k} {v:.3f}" for k, v in h["peak_by_phase_gib"].items() if k != "step"))  # fmt: skip
+        if h.get("full_gc_after_last_step"):
+            g = h["full_gc_after_last_step"]
+            print(f"hybridrl: a full garbage collection after the last step took {g['seconds']:.3f} s "
+                  f"({g['tracked']:,} objects tracked, {g['frozen']:,} frozen: trainer.gc_freeze)")  # fmt: skip
         if h.get("train_host_issue_s"):
             print(f"hybridrl training phase: the host took {h['train_host_issue_s']:.3f} s to issue its micro-batches' "
                   f"work ({h['train_host_issue_s'] / h['phases_s']['train']:.0%} of the phase)")  # fmt: skip

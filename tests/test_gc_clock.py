@@ -81,21 +81,6 @@ def test_freeze_collects_the_garbage_first_and_unfreeze_returns_the_objects():
     assert gc.get_freeze_count() == 0
 
 
-def test_freeze_leaves_a_process_that_froze_objects_itself_alone():
-    gc.freeze()
-    gc.disable()  # no automatic collection inside the check below
-    try:
-        clock = GcClock()
-        with clock:
-            assert clock.freeze() == 0
-        assert clock.pop()["perf/gc_collections"] == 0  # no collection either
-        clock.unfreeze()
-        assert gc.get_freeze_count() > 0  # its objects stay frozen (the count itself falls as frozen objects are freed)
-    finally:
-        gc.enable()
-        gc.unfreeze()
-
-
 def test_fit_freezes_after_the_first_step_and_unfreezes_at_the_end(tmp_path, arith_data):
     """trainer.gc_freeze (default on): from step 2 on the run's long-lived objects are frozen; after
     fit they are the collector's again, so a trainer dropped afterwards is freed. Off: no freeze."""

@@ -221,8 +221,10 @@ class _GatherRows(torch.autograd.Function):
     Gathering each row's copies and adding them up is ordered by construction and sums in fp32.
     W0.5B on an H200 with the mode on (train/NOTES.md, session 29): 2.61 s a step against 3.04 s,
     the training phase 1.374 against 1.820 s. It also raised the peak from 6.399 to 6.591 GiB (cause
-    not established), and with the mode off it was no faster than index_add_; so with the mode off
-    the trainer keeps index_select and its atomics (PackedLayout.kv_copies is None)."""
+    not established; not this backward's buffers: written out over a static M, one pointwise kernel
+    with no temporaries, the peak was the same, session 30), and with the mode off it was no faster
+    than index_add_; so with the mode off the trainer keeps index_select and its atomics
+    (PackedLayout.kv_copies is None)."""
 
     @staticmethod
     def forward(x, index, copies):
