@@ -51,7 +51,7 @@ def test_reward_rises(tmp_path, few_prompts, algorithm, extra):
     assert all(r["timing/rollout/generate"] <= r["timing/rollout"] for r in records)
     # The phases account for the steps: no untimed work between them. Summed over the run, since one
     # ~0.1 s CPU step can lose a few ms between phases to a GIL hand-over or a GC pass.
-    phases = ("rollout", "batch", "ref", "reward_exposed", "old_logprobs", "values", "advantage", "train", "metrics")
+    phases = ("rollout", "batch", "ref", "reward_exposed", "old_logprobs", "values", "advantage", "train", "metrics", "gc_freeze")
     timed = [sum(r[f"timing/{p}"] for p in phases) for r in records]
     assert all(t <= r["timing/step"] for t, r in zip(timed, records))
     total = sum(r["timing/step"] for r in records)

@@ -296,8 +296,9 @@ class TrainerEngine:
         try:
             with self.gc_clock, self.compile_clock, self.timer.phase("step"):
                 result = rl_step(self, prompts) if self.spec.kind == "rl" else offline_step(self, prompts)
-                if self.config.trainer.gc_freeze and (not self._stepped or self.compile_clock.compiled()):
-                    self.gc_clock.freeze()  # the long-lived objects exist now: keep later full collections short
+                with self.timer.phase("gc_freeze"):  # in every record (0 mostly), so the phases still sum to the step
+                    if self.config.trainer.gc_freeze and (not self._stepped or self.compile_clock.compiled()):
+                        self.gc_clock.freeze()  # the long-lived objects exist now: keep later full collections short
         except torch.OutOfMemoryError as e:  # rollout and training micro-batches retry; other passes cannot
             raise oom.OutOfMemoryError("a forward pass (reference / old log-probs / values)") from e
         if self.journal is not None:
