@@ -14,6 +14,8 @@
                                                   # and why the GPU sat idle: blocking calls, Python frames
     python bench/compare_trl.py --skip-trl --variant cpp:inductor.cpp_wrapper=true
                                                   # a torch._inductor.config option against the default, one call
+    python bench/compare_trl.py --skip-trl --memory-snapshot 3:step3.pickle && python bench/memory_peak.py step3.pickle
+                                                  # what was allocated at step 3's memory peak, and where (GPU)
 
 Both systems run GRPO with a KL of 0.04 to a reference model, lr 1e-6, temperature 1.0 and one
 optimizer step per 256 responses (TRL: per_device_train_batch_size=16, gradient_accumulation_steps=16),
@@ -141,6 +143,7 @@ def physical_bound_s(w: Workload, num_params: int, weight_bytes: int) -> float:
 
 
 PROFILE_STACK = False  # --stack: record Python frames in the profiled step (for trace_summary.py --why)
+MEMORY_SNAPSHOT: tuple[int, str] | None = None  # --memory-snapshot STEP:FILE (a variant's half: FILE with .NAME before its suffix)
 
 
 def profile_step(trainer, step: int, top: int = 40, trace: str | None = None):
@@ -185,6 +188,54 @@ def profile_step(trainer, step: int, top: int = 40, trace: str | None = None):
         return record
 
     trainer.train_step = train_step
+
+
+def memory_snapshot_step(trainer, step: int, path: str) -> None:
+    """Records the CUDA allocator's history (every allocation and free, with Python frames) during
+    step `step` (1-based) and writes the snapshot to `path` (pickle) with the bytes allocated when
+    recording started, for bench/memory_peak.py."""
+    import pickle
+
+    original = trainer.train_step
+
+    def train_step(prompts):
+        if trainer.step + 1 != step:
+            return original(prompts)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python", max_entries=4_000_000)
+        try:
+            record = original(prompts)
+            torch.cuda.synchronize()
+            snapshot = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        snapshot["hybridrl"] = {"step": step, "allocated_before": before, "peak_allocated_gib": record.get("memory/peak_allocated_gib")}
+        with open(path, "wb") as f:
+            pickle.dump(snapshot, f)
+        print(f"[memory] step {step}: allocator snapshot written to {path} ({sum(map(len, snapshot.get('device_traces', []))):,} "
+              f"trace entries); python bench/memory_peak.py {path}", flush=True)  # fmt: skip
+        return record
+
+    trainer.train_step = train_step
+
+
+def parse_memory_snapshot(text: str | None) -> tuple[int, str] | None:
+    if not text:
+        return None
+    step, sep, path = text.partition(":")
+    if not sep or not step.isdigit() or int(step) < 1 or not path:
+        raise SystemExit(f"--memory-snapshot {text!r}: write STEP:FILE, e.g. 3:step3.pickle")
+    return int(step), path
+
+
+def snapshot_for_variant(text: str, variant: str | None) -> str:
+    """STEP:FILE for the default half; STEP:FILE with `.NAME` before its suffix for variant NAME."""
+    if variant is None:
+        return text
+    step, path = parse_memory_snapshot(text)
+    p = Path(path)
+    return f"{step}:{p.with_name(f'{p.stem}.{variant}{p.suffix}')}"
 
 
 def wall_clock_steps(trainer, device: str) -> list[float]:
@@ -296,6 +347,11 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
     trainer = TrainerEngine(actor=engine, reward_fn=reward_fn, algorithm="grpo", config=cfg)
     if profile:
         profile_step(trainer, profile, trace=trace)
+    if MEMORY_SNAPSHOT is not None:
+        if device == "cuda":
+            memory_snapshot_step(trainer, *MEMORY_SNAPSHOT)
+        else:
+            print("[memory] --memory-snapshot records the CUDA allocator: no snapshot on CPU", flush=True)
     wall = wall_clock_steps(trainer, device)
     full_gc = full_collection_after_last_step(trainer)
     trainer.fit(str(data))
@@ -410,7 +466,7 @@ def trl_missing() -> str | None:
     return None
 
 
-def run_in_subprocess(system: str, args, model_dir: Path, overrides: list[str] = (), profile: int = 0) -> dict:
+def run_in_subprocess(system: str, args, model_dir: Path, overrides: list[str] = (), profile: int = 0, variant: str | None = None) -> dict:
     """One half in a fresh process: its own CUDA context, allocator and peak-memory counter."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = Path(f.name)
@@ -427,6 +483,8 @@ def run_in_subprocess(system: str, args, model_dir: Path, overrides: list[str] =
             cmd += ["--trace", args.trace]
         if args.stack:
             cmd.append("--stack")
+    if system == "hybridrl" and args.memory_snapshot:
+        cmd += ["--memory-snapshot", snapshot_for_variant(args.memory_snapshot, variant)]
     proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if proc.returncode != 0:
         return {"error": f"{system} half exited with status {proc.returncode} (its output is above)"}
@@ -539,12 +597,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--trace", type=str, default=None, metavar="FILE",
                     help="with --profile: also write that step's Chrome trace (FILE.json.gz: gzipped); bench/trace_summary.py reads it")
     ap.add_argument("--stack", action="store_true", help="with --profile: record Python frames too (slower; for trace_summary.py --why)")
+    ap.add_argument("--memory-snapshot", default=None, metavar="STEP:FILE",
+                    help="record the CUDA allocator during this hybridrl step and write its snapshot to FILE, a variant NAME's to FILE with .NAME before its suffix (GPU; bench/memory_peak.py reads them)")
     ap.add_argument("--worker", choices=["hybridrl", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", type=str, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", type=str, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    global PROFILE_STACK
+    global PROFILE_STACK, MEMORY_SNAPSHOT
     PROFILE_STACK = args.stack
+    MEMORY_SNAPSHOT = parse_memory_snapshot(args.memory_snapshot)
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     w = workload("tiny" if args.tiny else args.size)
     checkpointing = args.gradient_checkpointing == "on"
@@ -569,7 +630,7 @@ def main(argv: list[str] | None = None) -> dict:
             if "step_times_s" in h:  # before TRL's half: a run cut short keeps hybridrl's figures
                 print(f"hybridrl: step times {[round(t, 3) for t in h['step_times_s']]} s, peak allocated "
                       f"{h['peak_allocated_gib']:.3f} GiB", flush=True)
-            extra = {name: run_in_subprocess("hybridrl", args, model_dir, args.set + items) for name, items in variants}
+            extra = {name: run_in_subprocess("hybridrl", args, model_dir, args.set + items, variant=name) for name, items in variants}
             trl = {"skipped": missing} if missing else run_in_subprocess("trl", args, model_dir)
         else:  # CPU: no memory figures to keep apart, so one process is enough (and faster for CI)
             run = lambda items, prof=0: run_half("hybridrl", w, model_dir, prompts[: w.prompts * args.steps * 2], args.steps, device, items, prof, args.trace if prof else None, checkpointing)  # noqa: E731
