@@ -113,12 +113,12 @@ class GcClock:
     transformers and torch.compile, hundreds of thousands to millions), and the host launches
     nothing meanwhile, so it shows as GPU idle time in whichever phase it falls. Most steps see only
     young collections (W0.5B on one H200: 4-8 ms a step), but a full one took 0.72 s of a 3.14 s
-    step, inside the rollout, and one run after its last step 0.573 s (622,935 objects tracked),
-    against 0.001 s with the freeze (800,456 frozen; train/NOTES.md, session 30). `freeze` runs one full collection and
-    then moves every surviving object into the collector's permanent generation (`gc.freeze`), so
-    later full collections walk only what was made after it: the trainer calls it after the first
-    step and after any step that compiled, when the long-lived objects (models, compiled graphs,
-    kernels) exist. `unfreeze` at the end of `fit` returns them to the collector, so a trainer
+    step, inside the rollout; after a run's last step one took 0.573 s (622,935 objects tracked),
+    against 0.001 s with the freeze (800,456 frozen; train/NOTES.md, session 30). `freeze` runs one
+    full collection and then moves every surviving object into the collector's permanent generation
+    (`gc.freeze`), so later full collections walk only what was made after it: the trainer calls it
+    after the first step and after any step that compiled (its own phase, `timing/gc_freeze`), when
+    the long-lived objects (models, compiled graphs, kernels) exist. `unfreeze` at the end of `fit` returns them to the collector, so a trainer
     dropped afterwards (a notebook, a sweep, a test suite) is collected. Frozen objects that become
     garbage during the run are collected only then. `gc.unfreeze` has no partial form, so objects
     that something else froze before the run (on the H200 machine 375 were frozen before the
