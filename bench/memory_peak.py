@@ -103,7 +103,7 @@ def print_summary(s: dict, top: int, label: str = "") -> None:
     print(f"{label}allocated when recording started: {_gib(s['allocated_before'])} GiB; peak {_gib(s['peak'])} GiB at trace "
           f"entry {s['peak_at']:,} of {s['entries']:,}; allocated during the step and live at the peak: "
           f"{_gib(s['traced_at_peak'])} GiB")  # fmt: skip
-    print(f"| GiB | blocks | where |\n| ---: | ---: | --- |")
+    print("| GiB | blocks | where |\n| ---: | ---: | --- |")
     for place, (size, count) in sorted(s["groups"].items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"| {_gib(size)} | {count:,} | {place} |")
 

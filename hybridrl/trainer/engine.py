@@ -90,10 +90,10 @@ def set_determinism(deterministic: bool) -> None:
     more kernel for each `torch.empty`, captured into every CUDA graph too (W0.5B on an H200: the
     decode loop 0.988 s with it against 0.825 s with the mode off).
 
-    W0.5B on an H200 (train/NOTES.md, sessions 28-29), each against the mode off in the same call:
+    W0.5B on an H200 (train/NOTES.md, sessions 28-30), each against the mode off in the same call:
     with the sorted index_put_ the step took 2.97-3.04 s against 2.37-2.44 s (training phase
-    1.760-1.820 against 1.166-1.202 s); with the ordered sum 2.61 s against 2.40 s (1.374 against
-    1.184 s)."""
+    1.760-1.820 against 1.166-1.202 s); with the ordered sum 2.61-2.74 s against 2.40-2.42 s
+    (1.374-1.514 against 1.184-1.201 s)."""
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
