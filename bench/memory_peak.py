@@ -11,7 +11,10 @@ allocated total is the bytes allocated when recording started (`allocated_before
 snapshot; not traced, so not itemised: weights, optimizer state, caches) plus the traced
 allocations less their frees. At the highest total it lists the traced allocations still live,
 grouped by their innermost `--frames` frames whose file matches `--match` (by default hybridrl,
-transformers and inductor's generated code), largest first. `--against` runs the same on a second
+transformers and inductor's generated code), largest first. A generated module's name is a hash of
+its graph, so its frames are marked `(compiled)` and the place is named by the source frames outside
+it (the model's lines the graph was traced from), which stay the same when an option changes the
+graph. It also names the allocation that reached the peak. `--against` runs the same on a second
 snapshot and prints both groupings side by side, sorted by the difference: the places where the
 first run holds more at its peak than the second at its own. Sizes are as requested (the allocator
 rounds each block up to a multiple of 512 bytes), so the totals can fall a little short of
@@ -26,6 +29,10 @@ import re
 from collections import defaultdict
 
 DEFAULT_MATCH = r"hybridrl/|transformers/|torchinductor_|torch/_inductor/|torch/utils/checkpoint"
+# A module inductor generated (its cache: /tmp/torchinductor_USER/xy/cxy....py). Its name is a hash of
+# the graph, so the same place has another name in a run whose graph differs (another option); the
+# frames outside it (the model's source lines the graph was traced from) name the place instead.
+GENERATED = re.compile(r"torchinductor_[^/]*/(?:[^/]+/)?c[a-z0-9]{20,}\.py$")
 GiB = 2**30
 
 
@@ -74,10 +81,15 @@ def replay(trace: list[dict]) -> tuple[int, int, dict[int, dict]]:
 
 
 def where(entry: dict, match: re.Pattern, frames: int) -> str:
-    """The innermost `frames` frames of an allocation whose file matches (the innermost frame if none does)."""
+    """The innermost `frames` frames of an allocation whose file matches (the innermost frame if none
+    does). Frames in inductor's generated modules are not counted: `(compiled)` before the place says
+    that the innermost matching frame was one, i.e. a compiled graph's buffer."""
     stack = entry.get("frames") or []
-    picked = [f for f in stack if match.search(f.get("filename", ""))][:frames] or stack[:1]
-    return " < ".join(f"{f.get('filename', '?').rsplit('/', 2)[-1]}:{f.get('line', '?')} {f.get('name', '?')}" for f in picked) or "(no frames)"
+    matching = [f for f in stack if match.search(f.get("filename", ""))]
+    compiled = bool(matching) and bool(GENERATED.search(matching[0].get("filename", "")))
+    picked = [f for f in matching if not GENERATED.search(f.get("filename", ""))][:frames] or matching[:1] or stack[:1]
+    place = " < ".join(f"{f.get('filename', '?').rsplit('/', 2)[-1]}:{f.get('line', '?')} {f.get('name', '?')}" for f in picked)
+    return ("(compiled) " if compiled else "") + (place or "(no frames)")
 
 
 def peak_summary(snapshot: dict, match: str = DEFAULT_MATCH, frames: int = 2) -> dict:
@@ -91,8 +103,9 @@ def peak_summary(snapshot: dict, match: str = DEFAULT_MATCH, frames: int = 2) ->
         g = groups[where(e, pattern, frames)]
         g[0] += e["size"]
         g[1] += 1
+    at = where(trace[peak_at], pattern, max(frames, 4)) if peak_at >= 0 else "(no allocation in the trace)"
     return {"allocated_before": before, "peak": before + peak, "traced_at_peak": sum(e["size"] for e in live.values()),
-            "entries": len(trace), "peak_at": peak_at, "groups": dict(groups)}  # fmt: skip
+            "entries": len(trace), "peak_at": peak_at, "peak_where": at, "groups": dict(groups)}  # fmt: skip
 
 
 def _gib(n: int) -> str:
@@ -103,6 +116,7 @@ def print_summary(s: dict, top: int, label: str = "") -> None:
     print(f"{label}allocated when recording started: {_gib(s['allocated_before'])} GiB; peak {_gib(s['peak'])} GiB at trace "
           f"entry {s['peak_at']:,} of {s['entries']:,}; allocated during the step and live at the peak: "
           f"{_gib(s['traced_at_peak'])} GiB")  # fmt: skip
+    print(f"the allocation that reached it: {s['peak_where']}")
     print("| GiB | blocks | where |\n| ---: | ---: | --- |")
     for place, (size, count) in sorted(s["groups"].items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"| {_gib(size)} | {count:,} | {place} |")

@@ -84,3 +84,29 @@ def test_compare_trl_memory_snapshot_argument_and_variant_files():
             compare_trl.parse_memory_snapshot(bad)
     assert compare_trl.snapshot_for_variant("3:out/s.pickle", None) == "3:out/s.pickle"
     assert compare_trl.snapshot_for_variant("3:out/s.pickle", "det") == "3:out/s.det.pickle"
+
+
+def test_compiled_graph_buffers_are_named_by_their_source_lines_across_runs(tmp_path, capsys):
+    """Inductor names its generated module by a hash of the graph, so a run whose graph differs (the
+    deterministic mode) has other file names for the same buffers; the place is the source frames."""
+    memory_peak = bench_script("memory_peak")
+
+    def compiled(hash_: str, line: int) -> list[dict]:
+        return [_frame(f"/tmp/torchinductor_root/{hash_[1:3]}/{hash_}.py", line, "call"),
+                _frame("/x/transformers/models/qwen2/modeling_qwen2.py", 47, "forward"),
+                _frame("/repo/hybridrl/train/setup.py", 128, "grouped_decoder_forward")]  # fmt: skip
+
+    a, b = tmp_path / "a.pickle", tmp_path / "b.pickle"
+    a.write_bytes(pickle.dumps(_snapshot([_alloc(1, 120, compiled("c3hulkozxqgtwllge2455pn7all37xze3hu", 1951)), _alloc(2, 5, HEAD)])))
+    b.write_bytes(pickle.dumps(_snapshot([_alloc(1, 100, compiled("cro3qzsby2emc6huxw6x4pzmi4ugatlsk53b", 2725)), _alloc(2, 5, HEAD)])))
+    result = memory_peak.main([str(a), "--against", str(b), "--frames", "1"])
+    place = "(compiled) modeling_qwen2.py:47 forward"
+    assert set(result["first"]["groups"]) == set(result["second"]["groups"]) == {place, "lm_head.py:55 chunk"}
+    assert result["first"]["groups"][place] == [120 * MiB, 1] and result["second"]["groups"][place] == [100 * MiB, 1]
+    assert result["first"]["peak_where"] == "lm_head.py:55 chunk < logprobs.py:90 response_logprobs"
+    out = capsys.readouterr().out
+    assert f"| 0.117 | 0.098 | +0.020 | {place} |" in out
+    assert "the allocation that reached it: lm_head.py:55 chunk" in out
+    # A frame in inductor's own package (not a generated module) still names a place.
+    own = [_frame("/x/torch/_inductor/runtime/triton_heuristics.py", 9, "run")] + compiled("cabcdefghijklmnopqrstuvwxyz", 3)
+    assert memory_peak.where(_alloc(1, 1, own), memory_peak.re.compile(memory_peak.DEFAULT_MATCH), 1) == "triton_heuristics.py:9 run"
