@@ -172,7 +172,7 @@ def test_host_threads_default_to_one_with_a_gpu_and_to_torchs_on_cpu():
         torch.set_num_threads(before)
 
 
-def test_deterministic_turns_on_torchs_deterministic_mode_with_a_cublas_workspace(monkeypatch):
+def test_deterministic_turns_on_torchs_deterministic_mode_and_leaves_the_cublas_workspace_alone(monkeypatch):
     import torch
     import torch.utils.deterministic
 
@@ -188,8 +188,11 @@ def test_deterministic_turns_on_torchs_deterministic_mode_with_a_cublas_workspac
     torch.use_deterministic_algorithms(False)
     torch.utils.deterministic.fill_uninitialized_memory = True
     set_determinism(True)
-    assert torch.are_deterministic_algorithms_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert torch.are_deterministic_algorithms_enabled()
     assert not torch.utils.deterministic.fill_uninitialized_memory  # no NaN fill of every new tensor
+    # Not set: torch (>= 2.11) gives each stream its own cuBLAS workspace, and on 2.11 the variable
+    # costs every cuBLAS call a parse of it (set_determinism's docstring).
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     set_determinism(True)  # a workspace the user chose stays
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"

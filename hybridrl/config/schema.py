@@ -166,7 +166,7 @@ class TrainConfig:
     # GPU: deterministic kernels (torch.use_deterministic_algorithms, process-wide), so that two runs, or a run
     # and its resumed copy, end bit for bit alike; off, the packed attention's backward and the gradient of the
     # prompt keys gathered for each response add in whatever order their atomics land (CPU runs are deterministic either way).
-    # Costs time on a GPU (W0.5B, H200: 2.61-2.74 s a step against 2.40-2.44 s), all of it in the training phase.
+    # Costs time on a GPU (W0.5B, H200: 2.56 s a step against 2.42 s in one call), all of it in the training phase.
     deterministic: bool = False
     max_skipped_steps: int = 5  # abort after this many consecutive updates with NaN/inf
 

@@ -220,11 +220,12 @@ class _GatherRows(torch.autograd.Function):
     launches a training step (radix sorts, bounds checks), in a phase bound by its host's launches.
     Gathering each row's copies and adding them up is ordered by construction and sums in fp32.
     W0.5B on an H200 with the mode on (train/NOTES.md, session 29): 2.61 s a step against 3.04 s,
-    the training phase 1.374 against 1.820 s. It also raised the peak from 6.399 to 6.591 GiB (cause
-    not established; not this backward's buffers: written out over a static M, one pointwise kernel
-    with no temporaries, the peak was the same, session 30), and with the mode off it was no faster
-    than index_add_; so with the mode off the trainer keeps index_select and its atomics
-    (PackedLayout.kv_copies is None)."""
+    the training phase 1.374 against 1.820 s. It also raises the peak from 6.399 to 6.59 GiB: the
+    compiled layer groups keep this function's output, the gathered prompt keys and values, for the
+    attention's backward (0.211 GiB of them live at the peak in an allocator snapshot, session 31,
+    bench/memory_peak.py), where with index_select none is live there (the gather is made again for
+    the backward). With the mode off it was no faster than index_add_, so with the mode off the
+    trainer keeps index_select and its atomics (PackedLayout.kv_copies is None)."""
 
     @staticmethod
     def forward(x, index, copies):

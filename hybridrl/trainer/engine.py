@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import random
 from pathlib import Path
 from typing import Any, Callable
@@ -81,8 +80,18 @@ def set_determinism(deterministic: bool) -> None:
     layouts of forwards with gradients then carry a table of each key's copies, and the keys'
     gradient is their ordered sum (train/attention.py, gather_rows) rather than the sorted
     `index_put_` torch would put in index_add_'s place (~9,700 more kernel launches a W0.5B step,
-    in a phase bound by its host's launches). cuBLAS then needs a fixed workspace configuration (CUBLAS_WORKSPACE_CONFIG, set here
-    unless already set). Off, torch's setting is left as the caller made it.
+    in a phase bound by its host's launches). Off, torch's setting is left as the caller made it.
+
+    `CUBLAS_WORKSPACE_CONFIG` is not set here. cuBLAS needs it for bitwise-equal results only when
+    one handle runs on several streams with cuBLAS's own workspace pool; torch gives each (handle,
+    stream) pair a workspace of its own, and torch 2.11 (the oldest this project supports) runs every
+    product under the deterministic mode without the variable (fp32, fp64, bf16 mm and bmm checked on
+    an H200). Setting it is not free there: with it, a product's host time went from ~15-40 us to
+    ~55-100 us, and an addmm with a bias to ~130-200 us (train/NOTES.md, session 31; some torch
+    versions parse the variable, with a regular expression, each time a cuBLAS handle is fetched, which
+    is every product, and torch 2.11 has no call to set the size instead). The training phase's GPU then waited on
+    its host: with the variable set, the deterministic mode cost W0.5B 0.33-0.34 s a step; without it,
+    0.14 s. A value the caller set is left as it is.
 
     torch's deterministic mode also fills every new uninitialised tensor with NaN
     (`torch.utils.deterministic.fill_uninitialized_memory`), for code that reads memory it never
@@ -90,12 +99,12 @@ def set_determinism(deterministic: bool) -> None:
     more kernel for each `torch.empty`, captured into every CUDA graph too (W0.5B on an H200: the
     decode loop 0.988 s with it against 0.825 s with the mode off).
 
-    W0.5B on an H200 (train/NOTES.md, sessions 28-30), each against the mode off in the same call:
+    W0.5B on an H200 (train/NOTES.md, sessions 28-31), each against the mode off in the same call:
     with the sorted index_put_ the step took 2.97-3.04 s against 2.37-2.44 s (training phase
-    1.760-1.820 against 1.166-1.202 s); with the ordered sum 2.61-2.74 s against 2.40-2.42 s
-    (1.374-1.514 against 1.184-1.201 s)."""
+    1.760-1.820 against 1.166-1.202 s); with the ordered sum and CUBLAS_WORKSPACE_CONFIG set 2.61-2.75
+    s against 2.38-2.42 s (1.374-1.533 against 1.184-1.201 s); with the ordered sum and the variable
+    not set 2.56 s (2.493, 2.623) against 2.42 s (1.273-1.393 against 1.201-1.218 s)."""
     if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.utils.deterministic.fill_uninitialized_memory = False
 
