@@ -3,6 +3,7 @@ reference offload; the step record carries MFU, throughput and memory."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -196,6 +197,29 @@ def test_deterministic_turns_on_torchs_deterministic_mode_and_leaves_the_cublas_
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     set_determinism(True)  # a workspace the user chose stays
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
+def test_a_cublas_workspace_config_in_the_environment_is_named_with_its_cost_on_torch_2_11(monkeypatch, caplog):
+    import torch
+
+    from hybridrl.trainer.engine import set_determinism
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    with caplog.at_level(logging.WARNING, logger="hybridrl.trainer"):
+        set_determinism(False)
+    assert "CUBLAS_WORKSPACE_CONFIG=:4096:8 is set" in caplog.text and "host time to every cuBLAS product" in caplog.text
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # named, not changed
+    caplog.clear()
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    with caplog.at_level(logging.WARNING, logger="hybridrl.trainer"):
+        set_determinism(False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.setattr(torch, "__version__", "2.13.0")  # measured on 2.11 only: no claim for other versions
+    with caplog.at_level(logging.WARNING, logger="hybridrl.trainer"):
+        set_determinism(False)
+    assert "CUBLAS_WORKSPACE_CONFIG" not in caplog.text
 
 
 def test_num_threads_below_one_is_refused(tmp_path, arith_data):
