@@ -202,8 +202,10 @@ def test_deterministic_turns_on_torchs_deterministic_mode_and_leaves_the_cublas_
 def test_a_cublas_workspace_config_in_the_environment_is_named_with_its_cost_on_torch_2_11(monkeypatch, caplog):
     import torch
 
+    from hybridrl.trainer import engine
     from hybridrl.trainer.engine import set_determinism
 
+    monkeypatch.setattr(engine, "_workspace_warned", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -212,6 +214,10 @@ def test_a_cublas_workspace_config_in_the_environment_is_named_with_its_cost_on_
     assert "CUBLAS_WORKSPACE_CONFIG=:4096:8 is set" in caplog.text and "host time to every cuBLAS product" in caplog.text
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # named, not changed
     caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hybridrl.trainer"):
+        set_determinism(True)  # once a process
+    assert "CUBLAS_WORKSPACE_CONFIG" not in caplog.text
+    monkeypatch.setattr(engine, "_workspace_warned", False)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     with caplog.at_level(logging.WARNING, logger="hybridrl.trainer"):
         set_determinism(False)

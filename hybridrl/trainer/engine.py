@@ -71,6 +71,9 @@ def set_host_threads(num_threads: int | None, device: torch.device) -> int:
     return num_threads
 
 
+_workspace_warned = False
+
+
 def set_determinism(deterministic: bool) -> None:
     """`train.deterministic`: the process runs deterministic kernels from here on. On a GPU the
     packed rows' FlashAttention backward accumulates dQ with atomic adds, and so does `index_add_`
@@ -108,8 +111,10 @@ def set_determinism(deterministic: bool) -> None:
     if deterministic:
         torch.use_deterministic_algorithms(True)
         torch.utils.deterministic.fill_uninitialized_memory = False
+    global _workspace_warned
     workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    if workspace and torch.__version__.startswith("2.11.") and torch.cuda.is_available():
+    if workspace and not _workspace_warned and torch.__version__.startswith("2.11.") and torch.cuda.is_available():
+        _workspace_warned = True  # once a process (`hybridrl train` sets up before the trainer does too)
         log.warning("CUBLAS_WORKSPACE_CONFIG=%s is set: with torch 2.11 it adds ~40-150 us of host time to every cuBLAS "
                     "product (W0.5B on an H200, train.deterministic on: ~0.2 s a step). hybridrl does not need it, that option included; "
                     "unset it unless something else in this process does", workspace)  # fmt: skip
