@@ -23,7 +23,6 @@ import time
 
 SETTINGS = ("off", "det", "env", "det+env")
 SHAPES = ((13056, 896, 4864), (13056, 4864, 896))  # (tokens, in, out): W0.5B's gate|up and down products per micro-batch
-OPS = ("mm", "linear+bias", "addmm", "mm weight grad")
 
 
 def parse_settings(text: str) -> list[str]:
@@ -53,8 +52,7 @@ def child(setting: str, calls: int) -> list[dict]:
         g = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         ops = {"mm": lambda: torch.mm(a, w.t()), "linear+bias": lambda: F.linear(a, w, bias),
                "addmm": lambda: torch.addmm(bias, a, w.t()), "mm weight grad": lambda: torch.mm(g.t(), a)}  # fmt: skip
-        for name in OPS:
-            op = ops[name]
+        for name, op in ops.items():
             for _ in range(20):
                 op()
             torch.cuda.synchronize()

@@ -93,7 +93,8 @@ def where(entry: dict, match: re.Pattern, frames: int) -> str:
 
 
 def peak_summary(snapshot: dict, match: str = DEFAULT_MATCH, frames: int = 2) -> dict:
-    """{allocated_before, peak, traced_at_peak, entries, peak_at, groups: {where: [bytes, count]}} (bytes)."""
+    """{allocated_before, peak, traced_at_peak, entries, peak_at, peak_where (the allocation that reached it),
+    groups: {where: [bytes, count]}} (bytes)."""
     trace = _trace(snapshot)
     peak, peak_at, live = replay(trace)
     before = int(snapshot.get("hybridrl", {}).get("allocated_before", 0))

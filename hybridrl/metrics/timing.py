@@ -120,12 +120,11 @@ class GcClock:
     after the first step and after any step that compiled (its own phase, `timing/gc_freeze`), when
     the long-lived objects (models, compiled graphs, kernels) exist. `unfreeze` at the end of `fit`
     returns them to the collector, so a trainer dropped afterwards (a notebook, a sweep, a test
-    suite) is collected. Frozen objects that become
-    garbage during the run are collected only then. `gc.unfreeze` has no partial form, so objects
-    that something else froze before the run (on the H200 machine 375 were frozen before the
-    first step) are unfrozen with the run's; they are kept alive by their owners, so the collector
-    only walks them again. Collections run in whichever thread allocates, so a helper thread's
-    collections are counted too.
+    suite) is collected. Frozen objects that become garbage during the run are collected only then.
+    `gc.unfreeze` has no partial form, so objects that something else froze before the run (on the
+    H200 machine 375 were frozen before the first step) are unfrozen with the run's; they are kept
+    alive by their owners, so the collector only walks them again. Collections run in whichever
+    thread allocates, so a helper thread's collections are counted too.
     """
 
     def __init__(self):

@@ -92,10 +92,11 @@ def set_determinism(deterministic: bool) -> None:
     product under the deterministic mode without the variable (fp32, fp64, bf16 mm and bmm checked on
     an H200). Setting it is not free there: with it, a product's host time went from ~15-40 us to
     ~55-100 us, and an addmm with a bias to ~130-200 us (train/NOTES.md, session 31; some torch
-    versions parse the variable, with a regular expression, each time a cuBLAS handle is fetched, which
-    is every product, and torch 2.11 has no call to set the size instead). The training phase's GPU then waited on
-    its host: with the variable set, the deterministic mode cost W0.5B 0.33-0.34 s a step; without it,
-    0.14 s. A value the caller set is left as it is, and named in a warning on torch 2.11.
+    versions parse the variable, with a regular expression, each time a cuBLAS handle is fetched,
+    which is every product, and torch 2.11 has no call to set the size instead). The training
+    phase's GPU then waited on its host: with the variable set, the deterministic mode cost W0.5B
+    0.33-0.34 s a step; without it, 0.14 s. A value the caller set is left as it is, and named in a
+    warning on torch 2.11.
 
     torch's deterministic mode also fills every new uninitialised tensor with NaN
     (`torch.utils.deterministic.fill_uninitialized_memory`), for code that reads memory it never
