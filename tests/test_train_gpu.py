@@ -597,3 +597,51 @@ def test_packed_keys_gradient_is_ordered_and_launches_no_sort_in_deterministic_m
     assert "index_put" not in names and "radix_sort" not in names and "index_add" not in names
     want = torch.zeros(x.shape, dtype=torch.float64, device="cuda").index_add_(0, layout.kv_index, grad.double())
     torch.testing.assert_close(first.double(), want, atol=1e-6, rtol=2**-8)  # one bf16 rounding of the fp32 sum
+
+
+@gpu
+@pytest.mark.parametrize("fused", [True, False])
+def test_tied_lm_head_gradient_is_not_held_through_the_layers_backward(monkeypatch, fused):
+    """The lm_head's part of a tied weight's gradient goes into `.grad` when it is made: the backward
+    of the layers below no longer runs with a `[V, H]` gradient buffer waiting beside it for the
+    embedding's part (the step's peak at W0.5B is in that backward). The layers here are wide MLPs,
+    so that their backward, not the lm_head's chunks, sets the peak, as in a decoder's training
+    step; the peak of a second micro-batch's backward (the first made `.grad`), with and without."""
+    from hybridrl.train import lm_head
+
+    V, H, I, N, depth, chunk = 65536, 512, 16384, 4096, 3, 256
+    bytes_w = V * H * 2
+    g = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(V, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02)
+    ups = [torch.nn.Parameter(torch.randn(H, I, device="cuda", dtype=torch.bfloat16, generator=g) / H**0.5) for _ in range(depth)]
+    downs = [torch.nn.Parameter(torch.randn(I, H, device="cuda", dtype=torch.bfloat16, generator=g) / I**0.5) for _ in range(depth)]
+    ids, labels = (torch.randint(0, V, (N,), device="cuda", generator=g) for _ in range(2))
+    g_lp = torch.randn(N, device="cuda", generator=g)
+
+    def loss_of_micro_batch():
+        x = torch.nn.functional.embedding(ids, weight)
+        for up, down in zip(ups, downs):  # [N, I] activations and gradients: each layer's backward is larger than the lm_head's chunk
+            x = x + torch.tanh(x @ up) @ down
+        if fused:
+            _, _, loss = lm_head.token_logprobs_with_grad(x, weight, None, labels, lambda rows, lp, ent: (g_lp[rows], None), chunk=chunk)
+            return loss
+        lp, _ = token_logprobs(x, weight, None, labels, chunk=chunk)
+        return (lp * g_lp).sum()
+
+    def peak_and_grads():
+        for p in (weight, *ups, *downs):
+            p.grad = None
+        loss_of_micro_batch().backward()
+        loss = loss_of_micro_batch()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        loss.backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before, weight.grad.float().clone()
+
+    new_peak, new_grad = peak_and_grads()
+    monkeypatch.setattr(lm_head._WeightGrad, "deliver", lambda self, grad_w: grad_w)  # the gradient through autograd, as before
+    old_peak, old_grad = peak_and_grads()
+    assert old_peak - new_peak >= 0.9 * bytes_w, (old_peak, new_peak, bytes_w)
+    torch.testing.assert_close(new_grad, old_grad, atol=1e-3, rtol=2e-2)  # bf16 sums in another order

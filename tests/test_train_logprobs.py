@@ -128,3 +128,71 @@ def test_tuned_products_change_nothing_off_cuda():
     got = torch.autograd.grad((lp + ent).sum(), inputs)
     want = torch.autograd.grad((ref_lp + ref_ent).sum(), inputs)
     assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
+def _tied_problem(seed: int, N: int = 29, H: int = 12, V: int = 40):
+    """A tied-embedding lm_head problem in fp64: the same Parameter embeds the tokens and, through a
+    nonlinear layer, projects the hidden states back onto the vocabulary; (ids, labels, g_lp, g_ent,
+    weight, layer weight)."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.nn.Parameter(torch.randn(V, H, dtype=torch.float64, generator=g))
+    layer = torch.nn.Parameter(torch.randn(H, H, dtype=torch.float64, generator=g) / H**0.5)
+    ids, labels = torch.randint(0, V, (N,), generator=g), torch.randint(0, V, (N,), generator=g)
+    g_lp, g_ent = torch.randn(N, dtype=torch.float64, generator=g), torch.randn(N, dtype=torch.float64, generator=g)
+    return ids, labels, g_lp, g_ent, weight, layer
+
+
+def _tied_loss(ids, labels, g_lp, g_ent, weight, layer, *, fused: bool, seen: list | None = None):
+    """sum(g_lp * lp + g_ent * entropy) through embedding -> tanh layer -> lm_head (both paths); when
+    `seen` is given, records whether `weight.grad` was already set when the backward reached the
+    embedding's output, i.e. before the layer's backward."""
+    emb = torch.nn.functional.embedding(ids, weight)
+    if seen is not None:
+        emb.register_hook(lambda grad: seen.append(weight.grad is not None))
+    hidden = torch.tanh(emb @ layer)
+    if fused:
+        lp, ent, zero = lm_head.token_logprobs_with_grad(hidden, weight, None, labels, lambda rows, lp, ent: (g_lp[rows], g_ent[rows]), chunk=8)
+        return zero
+    lp, ent = token_logprobs(hidden, weight, None, labels, chunk=8)
+    return (g_lp * lp + g_ent * ent).sum()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_tied_weight_gradient_reaches_grad_before_the_layers_backward(fused):
+    """The lm_head's part of a tied weight's gradient goes into `.grad` as soon as it is made, instead
+    of waiting in autograd's buffer for the embedding's part at the end of the backward (which kept a
+    `[V, H]` buffer alive through the decoder layers' backward, where the peak memory is); the sum in
+    `.grad` is the plain autograd gradient, also when micro-batches accumulate."""
+    ids, labels, g_lp, g_ent, weight, layer = _tied_problem(3)
+    ref_w, ref_l = torch.nn.Parameter(weight.detach().clone()), torch.nn.Parameter(layer.detach().clone())
+    for micro in range(2):  # a second backward accumulates into the first's .grad
+        seen = []
+        _tied_loss(ids, labels, g_lp * (micro + 1), g_ent, weight, layer, fused=fused, seen=seen).backward()
+        assert seen == [True]
+        z = torch.nn.functional.linear(torch.tanh(torch.nn.functional.embedding(ids, ref_w) @ ref_l), ref_w)
+        logp = torch.log_softmax(z, -1)
+        lp, ent = logp.gather(-1, labels[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+        ((g_lp * (micro + 1) * lp + g_ent * ent).sum()).backward()
+        torch.testing.assert_close(weight.grad, ref_w.grad, atol=1e-11, rtol=1e-11)
+        torch.testing.assert_close(layer.grad, ref_l.grad, atol=1e-11, rtol=1e-11)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_tied_weight_gradient_still_through_autograd_where_it_must_be(fused):
+    """`torch.autograd.grad` writes no `.grad`, and a gradient hook on the weight (the fp32 master
+    weights' post-accumulate hook, say) still sees the whole gradient, once, through autograd."""
+    ids, labels, g_lp, g_ent, weight, layer = _tied_problem(4)
+    want_w, want_l = torch.autograd.grad(_tied_loss(ids, labels, g_lp, g_ent, weight, layer, fused=False), [weight, layer])
+    got_w, got_l = torch.autograd.grad(_tied_loss(ids, labels, g_lp, g_ent, weight, layer, fused=fused), [weight, layer])
+    assert weight.grad is None and layer.grad is None
+    torch.testing.assert_close(got_w, want_w, atol=1e-11, rtol=1e-11)
+    # Only the layer's gradient asked for: the weight's part is dropped by autograd, not written anywhere.
+    (got_l,) = torch.autograd.grad(_tied_loss(ids, labels, g_lp, g_ent, weight, layer, fused=fused), [layer])
+    assert weight.grad is None
+    torch.testing.assert_close(got_l, want_l, atol=1e-11, rtol=1e-11)
+    hooked = []
+    weight.register_post_accumulate_grad_hook(lambda p: hooked.append(p.grad.clone()))
+    seen = []
+    _tied_loss(ids, labels, g_lp, g_ent, weight, layer, fused=fused, seen=seen).backward()
+    assert seen == [False] and len(hooked) == 1
+    torch.testing.assert_close(hooked[0], want_w, atol=1e-11, rtol=1e-11)

@@ -16,6 +16,13 @@ On CUDA the per-row statistics and the gradient are one Triton pass over the chu
 With `tuned=True` (`train.tuned_products`, after `tune_lm_head`) a full chunk's logits product and
 its weight-gradient product run the cuBLASLt algorithm timed fastest for their shape
 (kernels/cublaslt.py); the weight gradient is then added into its buffer by the product itself.
+
+The weight's gradient is added into `weight.grad` by the backward function that makes it, where
+autograd would add it there anyway (`_WeightGrad`), instead of being handed to autograd. With tied
+input and output embeddings autograd would hold that `[V, H]` buffer until the embedding's own
+gradient arrives at the end of the backward, through the whole backward of the decoder layers,
+where a training step's peak memory is: on an H200 the W0.5B step's peak went from 6.399 to 6.211
+GiB with this, W1.5B's from 17.819 to 17.379 GiB (bench/compare_trl.py; train/NOTES.md, session 32).
 """
 
 from __future__ import annotations
@@ -130,6 +137,44 @@ def _add_chunk_grads(grad, h, weight, rows: slice, grad_h, grad_w, grad_b, dtype
         grad_b += grad.sum(0, dtype=dtype)
 
 
+class _WeightGrad:
+    """Where the lm_head weight's gradient goes: straight into `weight.grad` when this backward is one
+    that accumulates into it (`.backward()`, not `torch.autograd.grad`), else to autograd.
+
+    Adding it in place is what autograd's AccumulateGrad would do, minus the wait: a weight that is
+    also the input embedding gets a second gradient at the very end of the backward, and autograd
+    keeps the first in a buffer until then. Only for a plain leaf parameter with no gradient hooks
+    (a hook, e.g. the fp32 master weights' (precision.py), must see every gradient), and only when
+    the engine will run the parameter's AccumulateGrad node in this backward."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.node = None
+        plain = type(weight) is torch.nn.Parameter and type(weight.data) is torch.Tensor
+        if plain and weight.requires_grad and weight.is_leaf and not weight._backward_hooks and not weight._post_accumulate_grad_hooks:
+            self.node = torch.autograd.graph.get_gradient_edge(weight).node
+
+    def _accumulates(self) -> bool:
+        """Whether the running backward adds into the weight's `.grad` (the engine runs its node)."""
+        try:
+            return torch._C._will_engine_execute_node(self.node)
+        except RuntimeError as e:  # torch.autograd.grad() asked for this leaf's gradient: it is captured, not accumulated
+            if "autograd.grad" not in str(e):
+                raise
+            return False
+
+    def deliver(self, grad_w: torch.Tensor | None) -> torch.Tensor | None:
+        """Called in a backward with the weight's gradient: returns what autograd should receive."""
+        if grad_w is None or self.node is None or not self._accumulates():
+            return grad_w
+        with torch.no_grad():
+            if self.weight.grad is None:
+                self.weight.grad = grad_w
+            else:
+                self.weight.grad.add_(grad_w)
+        return None
+
+
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, inv_temp: float, chunk: int, tuned: bool):
@@ -142,6 +187,7 @@ class _LinearLogprobs(torch.autograd.Function):
             del logits
         ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
         ctx.inv_temp, ctx.chunk, ctx.tuned = inv_temp, chunk, tuned
+        ctx.weight_grad = _WeightGrad(weight)
         ctx.set_materialize_grads(False)
         return lp, entropy
 
@@ -165,6 +211,7 @@ class _LinearLogprobs(torch.autograd.Function):
             )  # fmt: skip
             del logits
             _add_chunk_grads(grad, h, weight, sl, grad_h, grad_w, grad_b, lse.dtype, ctx.tuned)
+        grad_w = ctx.weight_grad.deliver(grad_w)
         return grad_h, grad_w, grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None, None
 
 
@@ -175,12 +222,13 @@ class _PrecomputedGrads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, grad_h, grad_w, grad_b):
         ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.weight_grad = _WeightGrad(weight)
         return hidden.new_zeros((), dtype=torch.float32)
 
     @staticmethod
     def backward(ctx, g):
-        grads = tuple(None if t is None else t.mul_(g) for t in ctx.saved_tensors)  # each buffer is used once
-        return (*grads, None, None, None)
+        grad_h, grad_w, grad_b = (None if t is None else t.mul_(g) for t in ctx.saved_tensors)  # each buffer is used once
+        return grad_h, ctx.weight_grad.deliver(grad_w), grad_b, None, None, None
 
 
 def token_logprobs_with_grad(
