@@ -17,6 +17,10 @@ class ModelConfig:
     trust_remote_code: bool = False  # run code shipped with the model; off unless you trust it
     chat_template: str | None = None  # Jinja chat template to use when the tokenizer has none
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    # with gradient_checkpointing: checkpoint only the first N decoder layers (None: all of them); the last ones
+    # keep their activations and are not recomputed in the backward. Memory for time: at W0.5B on an H200, 20 of
+    # 24 took 0.035 s off a 1.197 s training phase for 1.9 GiB more peak (16 of 24: 0.050 s for 3.8 GiB)
+    gradient_checkpointing_layers: int | None = None
     critic_path: str | None = None  # critic (value model) init; None means start from model.path
     reward_model_path: str | None = None  # learned reward model (sequence classifier), optional
 

@@ -58,6 +58,13 @@ def validate_config(cfg: Config, *, require_paths: bool = True) -> None:
     _check_choice("train.packing", cfg.train.packing, ("auto", "on", "off"))
     _check_choice("train.packed_attention", cfg.train.packed_attention, ("auto", "flash", "flex", "triton", "triton_full", "fa4"))
     _check_choice("train.master_weights", cfg.train.master_weights, MASTER_WEIGHTS)
+    layers = cfg.model.gradient_checkpointing_layers
+    if layers is not None:
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+            raise ConfigError(f"model.gradient_checkpointing_layers must be a number of decoder layers (>= 0) or null for all, got {layers!r}")
+        if not cfg.model.gradient_checkpointing:
+            raise ConfigError("model.gradient_checkpointing_layers is set but model.gradient_checkpointing is off: "
+                              "set model.gradient_checkpointing=true, or leave model.gradient_checkpointing_layers unset")  # fmt: skip
     if cfg.train.master_weights == "compensated" and cfg.model.dtype == "float16":
         raise ConfigError("train.master_weights=compensated needs a bfloat16 model, but model.dtype is float16: use model.dtype=bfloat16 or train.master_weights=fp32")
     if cfg.algorithm.advantage is not None:

@@ -23,7 +23,7 @@ SETTINGS = (
     "train.batch_size or rollout.n (sequences per step)",
     "rollout.max_tokens and data.max_prompt_length (sequence length)",
     "rollout.kv_cache_fraction (native rollout: GPU memory kept for the KV cache)",
-    "model.gradient_checkpointing=true (recompute activations in backward)",
+    "model.gradient_checkpointing=true (recompute activations in backward; model.gradient_checkpointing_layers lower or unset)",
 )
 
 _retries = 0

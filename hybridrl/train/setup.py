@@ -15,9 +15,12 @@ from hybridrl.train.residual import enable_fp32_residual
 log = logging.getLogger("hybridrl.train")
 
 
-def prepare_for_training(model: torch.nn.Module, train: TrainConfig, *, gradient_checkpointing: bool) -> bool:
-    """Applies `model.gradient_checkpointing`, `train.fp32_residual` and `train.packing`; returns
-    whether batches are packed.
+def prepare_for_training(
+    model: torch.nn.Module, train: TrainConfig, *, gradient_checkpointing: bool, checkpointed_layers: int | None = None
+) -> bool:
+    """Applies `model.gradient_checkpointing` (to the first `checkpointed_layers` decoder layers, all
+    if None: `model.gradient_checkpointing_layers`), `train.fp32_residual` and `train.packing`;
+    returns whether batches are packed.
 
     Packing "auto" is on for CUDA models with sdpa or eager attention (on CPU the dense packed mask
     costs more than the padding it saves on short sequences).
@@ -33,6 +36,8 @@ def prepare_for_training(model: torch.nn.Module, train: TrainConfig, *, gradient
         # differs from the others' and torch.compile compiles the group twice.
         if hasattr(model, "disable_input_require_grads"):
             model.disable_input_require_grads()
+        if checkpointed_layers is not None:
+            checkpoint_first_layers(model, checkpointed_layers)
     if train.fp32_residual:
         enable_fp32_residual(model)
     on_cuda = next(model.parameters()).device.type == "cuda"
@@ -43,6 +48,33 @@ def prepare_for_training(model: torch.nn.Module, train: TrainConfig, *, gradient
     if train.tuned_products and on_cuda:
         tune_products(model)
     return packed
+
+
+def _decoder_layers(model: torch.nn.Module, what: str) -> torch.nn.ModuleList:
+    base = getattr(model, model.base_model_prefix, model)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ConfigError(f"{what}: {type(model).__name__} has no `{model.base_model_prefix}.layers`")
+    return layers
+
+
+def checkpoint_first_layers(model: torch.nn.Module, n: int) -> None:
+    """Gradient checkpointing for the first `n` decoder layers only (`model.gradient_checkpointing_layers`).
+
+    A spared layer keeps the activations its backward needs instead of its input alone, and the
+    backward does not run its forward again: memory for time, layer by layer. The spared layers'
+    activations are alive together, from their forward through the lm_head to their backward, on
+    top of what the checkpointed layers' recomputation holds later. Measured at W0.5B on an H200
+    (compiled groups of four layers, 13,056-token micro-batches): sparing the last 4 of 24 layers
+    took the training phase from 1.197 to 1.162 s and the peak from 6.21 to 8.11 GiB; the last 8,
+    1.147 s and 10.01 GiB (~0.47 GiB a layer).
+    """
+    layers = _decoder_layers(model, "model.gradient_checkpointing_layers")
+    if not 0 <= n <= len(layers):
+        raise ConfigError(f"model.gradient_checkpointing_layers ({n}) must be between 0 and the model's {len(layers)} decoder layers")
+    for layer in layers[n:]:
+        layer.gradient_checkpointing = False  # transformers' GradientCheckpointingLayer reads it at every call
+    log.info("gradient checkpointing: the first %d of %d decoder layers", n, len(layers))
 
 
 def tune_products(model: torch.nn.Module) -> None:

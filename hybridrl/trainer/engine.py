@@ -152,7 +152,10 @@ class TrainerEngine:
         set_host_threads(cfg.train.num_threads, self.device)
         set_determinism(cfg.train.deterministic)
         # Before the reference is copied from it: the copy shares the attention setup.
-        self.packed = prepare_for_training(self.model, cfg.train, gradient_checkpointing=cfg.model.gradient_checkpointing)
+        self.packed = prepare_for_training(
+            self.model, cfg.train, gradient_checkpointing=cfg.model.gradient_checkpointing,
+            checkpointed_layers=cfg.model.gradient_checkpointing_layers,
+        )  # fmt: skip
         self.optimizer = build_optimizer(self.model, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=cfg.train.adam_betas, eps=cfg.train.adam_eps, master_weights=cfg.train.master_weights)
         self.scheduler = self._scheduler(self.optimizer)
         self.optimizer_offloads: list[OffloadedOptimizerState] = []
