@@ -526,6 +526,14 @@ def summarise(w: Workload, h: dict, trl: dict, bound_s: float | None) -> dict:
     return result
 
 
+def _print_early(label: str, h: dict) -> None:
+    """One line of a half's figures as soon as it ends (the table comes after every half has run)."""
+    if "step_times_s" in h:
+        phases = h.get("phases_s", {})
+        print(f"{label}: step times {[round(t, 3) for t in h['step_times_s']]} s, peak allocated {h['peak_allocated_gib']:.3f} GiB; "
+              + ", ".join(f"{k} {phases[k]:.3f}" for k in ("rollout", "ref", "train") if k in phases), flush=True)  # fmt: skip
+
+
 def print_table(result: dict) -> None:
     w, h, trl = result["workload"], result["hybridrl"], result["trl"]
     title = f"W{w['size']}: {w['prompts']} prompts x {w['prompt_len']} tokens, n={w['n']}, {w['max_tokens']} new tokens, GRPO kl {w['beta']}, lr {w['lr']}"
@@ -627,10 +635,11 @@ def main(argv: list[str] | None = None) -> dict:
         variants = [parse_variant(v) for v in args.variant]
         if device == "cuda":
             h = run_in_subprocess("hybridrl", args, model_dir, args.set, args.profile)
-            if "step_times_s" in h:  # before TRL's half: a run cut short keeps hybridrl's figures
-                print(f"hybridrl: step times {[round(t, 3) for t in h['step_times_s']]} s, peak allocated "
-                      f"{h['peak_allocated_gib']:.3f} GiB", flush=True)
-            extra = {name: run_in_subprocess("hybridrl", args, model_dir, args.set + items, variant=name) for name, items in variants}
+            _print_early("hybridrl", h)  # before the variants and TRL's half: a call cut short keeps these figures
+            extra = {}
+            for name, items in variants:
+                extra[name] = run_in_subprocess("hybridrl", args, model_dir, args.set + items, variant=name)
+                _print_early(f"hybridrl variant {name}", extra[name])
             trl = {"skipped": missing} if missing else run_in_subprocess("trl", args, model_dir)
         else:  # CPU: no memory figures to keep apart, so one process is enough (and faster for CI)
             run = lambda items, prof=0: run_half("hybridrl", w, model_dir, prompts[: w.prompts * args.steps * 2], args.steps, device, items, prof, args.trace if prof else None, checkpointing)  # noqa: E731
