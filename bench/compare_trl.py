@@ -21,9 +21,9 @@ Both systems run GRPO with a KL of 0.04 to a reference model, lr 1e-6, temperatu
 optimizer step per 256 responses (TRL: per_device_train_batch_size=16, gradient_accumulation_steps=16),
 on a random-init Qwen2 model of the workload's shape (seed 42, saved in bf16) and a local WordLevel
 tokenizer of 151,936 tokens, with the same reward function. hybridrl uses its native rollout engine
-and, on a GPU, compiled decoder layers (four per graph), a 12k-token budget per training
-micro-batch (TRL's micro-batch: 16 responses of 768 tokens), a 32k-token budget for the reference
-pass and the compensated bf16 optimizer (`train.master_weights: compensated`); TRL its defaults:
+and, on a GPU, compiled decoder layers (four per graph), a 13,056-token budget per training
+micro-batch (three whole prompt groups, about TRL's micro-batch of 16 responses of 768 tokens), a
+34,816-token budget for the reference pass and the compensated bf16 optimizer (`train.master_weights: compensated`); TRL its defaults:
 transformers `generate`, fp32 weights and AdamW state under bf16 autocast, gradient checkpointing
 (on for hybridrl too; `--gradient-checkpointing off` turns it off for both). A random model rarely emits EOS, so responses
 run to the limit. On a GPU each system runs in its own subprocess, so each peak-memory figure is its

@@ -170,7 +170,8 @@ class TrainConfig:
     # GPU: deterministic kernels (torch.use_deterministic_algorithms, process-wide), so that two runs, or a run
     # and its resumed copy, end bit for bit alike; off, the packed attention's backward and the gradient of the
     # prompt keys gathered for each response add in whatever order their atomics land (CPU runs are deterministic either way).
-    # Costs time on a GPU (W0.5B, H200: 2.56 s a step against 2.42 s in one call), all of it in the training phase.
+    # Costs time on a GPU, all of it in the training phase and mostly the host's, so it varies by machine (W0.5B,
+    # H200: 2.56 s a step against 2.42 s in one call, 2.391 against 2.389 s in another), and 0.2 GiB of peak memory.
     deterministic: bool = False
     max_skipped_steps: int = 5  # abort after this many consecutive updates with NaN/inf
 
