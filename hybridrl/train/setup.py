@@ -50,12 +50,13 @@ def prepare_for_training(
     return packed
 
 
-def _decoder_layers(model: torch.nn.Module, what: str) -> torch.nn.ModuleList:
+def _decoder_layers(model: torch.nn.Module, fix: str) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
+    """(the base model, its decoder layers); ConfigError naming `fix` where the model has no such list."""
     base = getattr(model, model.base_model_prefix, model)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise ConfigError(f"{what}: {type(model).__name__} has no `{model.base_model_prefix}.layers`")
-    return layers
+        raise ConfigError(f"{type(model).__name__} has no `{model.base_model_prefix}.layers`: {fix}")
+    return base, layers
 
 
 def checkpoint_first_layers(model: torch.nn.Module, n: int) -> None:
@@ -69,7 +70,7 @@ def checkpoint_first_layers(model: torch.nn.Module, n: int) -> None:
     took the training phase from 1.197 to 1.162 s and the peak from 6.21 to 8.11 GiB; the last 8,
     1.147 s and 10.01 GiB (~0.47 GiB a layer).
     """
-    layers = _decoder_layers(model, "model.gradient_checkpointing_layers")
+    _, layers = _decoder_layers(model, "leave model.gradient_checkpointing_layers unset")
     if not 0 <= n <= len(layers):
         raise ConfigError(f"model.gradient_checkpointing_layers ({n}) must be between 0 and the model's {len(layers)} decoder layers")
     for layer in layers[n:]:
@@ -125,10 +126,7 @@ def compile_layers(model: torch.nn.Module, layers_per_graph: int = 1, *, dynamic
     calls per group; packed rows then run through `grouped_decoder_forward`. A group's backward
     returns the gradients of all its layers at once, so larger groups hold more of them alive
     (N/num_layers of the model's gradients, in the worst case) and compile longer the first time."""
-    base = getattr(model, model.base_model_prefix)
-    layers = getattr(base, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"train.compile: {type(model).__name__} has no `{model.base_model_prefix}.layers`; set train.compile=false")
+    base, layers = _decoder_layers(model, "set train.compile=false")
     if layers_per_graph < 1:
         raise ConfigError(f"train.compile_layers_per_graph must be >= 1, got {layers_per_graph}")
     if layers_per_graph > 1 and getattr(model.config, "model_type", None) not in GROUPABLE_MODEL_TYPES:
