@@ -130,6 +130,34 @@ def test_packed_logprobs_and_gradients_match_padded(dtype, kernel):
         assert (lp_pack - lp_pad).abs().sum() / batch.response_mask.sum() < 2e-2
 
 
+@pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [1.0, 0.37, -3.0])
+def test_scale_kernels_round_as_torch_does(dtype, scale):
+    """triton_logprobs.scale_ is `t.mul_(g)` and scale_add_ is `dst.add_(src.mul_(g))`, bit for bit, for
+    sizes around the kernels' block edge, with g a 0-dim fp32 tensor on the same device (as autograd
+    hands the lm_head's surrogate its incoming gradient; 0.37 is not a bf16 / fp16 number, and PyTorch
+    rounds it to the tensor's dtype before multiplying)."""
+    pytest.importorskip("triton")
+    from hybridrl.train import triton_logprobs
+
+    device = "cuda" if CUDA else "cpu"
+    gen = torch.Generator().manual_seed(3)
+    g = torch.tensor(scale, device=device)
+    block = triton_logprobs.SCALE_BLOCK
+    for n in (1, block - 1, block, 3 * block + 5):
+        src = (torch.randn(n, generator=gen) * 3).to(device, dtype)
+        dst = (torch.randn(n, generator=gen) * 3).to(device, dtype)
+        assert torch.equal(triton_logprobs.scale_(src.clone(), g), src.clone().mul_(g))
+        got = triton_logprobs.scale_add_(dst.clone(), src.clone(), g)
+        assert torch.equal(got, dst.clone().add_(src.clone().mul_(g)))
+    if CUDA:
+        t = torch.ones(4, 3, device="cuda", dtype=dtype)
+        assert triton_logprobs.scalable(t, g) and not triton_logprobs.scalable(t.t(), g)
+        assert not triton_logprobs.scalable(t, g.cpu()) and not triton_logprobs.scalable(t.cpu(), g)
+
+
+
 @gpu
 def test_gradient_made_in_the_lm_head_forward_matches_the_backwards_in_bf16():
     """response_logprobs_with_grad on the GPU path (bf16, flash, the Triton statistics and gradient
@@ -641,7 +669,8 @@ def test_tied_lm_head_gradient_is_not_held_through_the_layers_backward(monkeypat
         return torch.cuda.max_memory_allocated() - before, weight.grad.float().clone()
 
     new_peak, new_grad = peak_and_grads()
-    monkeypatch.setattr(lm_head._WeightGrad, "deliver", lambda self, grad_w: grad_w)  # the gradient through autograd, as before
+    through_autograd = lambda self, grad_w, scale=None: grad_w if scale is None else grad_w.mul_(scale)  # noqa: E731
+    monkeypatch.setattr(lm_head._WeightGrad, "deliver", through_autograd)  # the gradient through autograd, as before
     old_peak, old_grad = peak_and_grads()
     assert old_peak - new_peak >= 0.9 * bytes_w, (old_peak, new_peak, bytes_w)
     torch.testing.assert_close(new_grad, old_grad, atol=1e-3, rtol=2e-2)  # bf16 sums in another order

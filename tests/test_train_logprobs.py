@@ -82,6 +82,26 @@ def test_gradient_made_in_the_forward_equals_the_backwards(temperature, with_bia
         torch.testing.assert_close(got, want, atol=1e-11, rtol=1e-11)
 
 
+@pytest.mark.parametrize("frozen", ["weight", "hidden"])
+def test_gradient_made_in_the_forward_when_some_inputs_take_none(frozen):
+    """A frozen lm_head (or a hidden state that takes no gradient) gets none, and the others get the
+    full-logits gradient, scaled by the incoming one."""
+    g, hidden, weight, bias, labels, _ = _lm_head_problem(2, with_bias=True)
+    {"weight": weight, "hidden": hidden}[frozen].requires_grad_(False)
+    inputs = [t for t in (hidden, weight, bias) if t.requires_grad]
+    a = torch.randn(hidden.shape[0], dtype=torch.float64, generator=g)
+
+    def token_grads(rows, lp, ent):
+        return a[rows] * torch.exp(lp), None
+
+    lp, ent, zero = lm_head.token_logprobs_with_grad(hidden, weight, bias, labels, token_grads, chunk=8)
+    ref_lp, _ = _full(hidden, weight, bias, labels, 1.0)
+    got = torch.autograd.grad(-3.0 * zero, inputs)
+    want = torch.autograd.grad(-3.0 * (a * torch.exp(ref_lp)).sum(), inputs)
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-11, rtol=1e-11)
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_model_logprobs_and_entropy_equal_a_full_forward(tiny_model_path, packed):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()

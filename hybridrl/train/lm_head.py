@@ -163,16 +163,37 @@ class _WeightGrad:
                 raise
             return False
 
-    def deliver(self, grad_w: torch.Tensor | None) -> torch.Tensor | None:
-        """Called in a backward with the weight's gradient: returns what autograd should receive."""
-        if grad_w is None or self.node is None or not self._accumulates():
-            return grad_w
+    def deliver(self, grad_w: torch.Tensor | None, scale: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Called in a backward with the weight's gradient (times `scale`, a one-element tensor, when
+        given; `grad_w` is then scaled in place or consumed): returns what autograd should receive."""
+        if grad_w is None:
+            return None
+        if self.node is None or not self._accumulates():
+            return grad_w if scale is None else _scale_(grad_w, scale)
         with torch.no_grad():
             if self.weight.grad is None:
-                self.weight.grad = grad_w
-            else:
+                self.weight.grad = grad_w if scale is None else _scale_(grad_w, scale)
+            elif scale is None:
                 self.weight.grad.add_(grad_w)
+            else:
+                _scale_add_(self.weight.grad, grad_w, scale)
         return None
+
+
+def _scale_(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """`t.mul_(g)`; on CUDA in one vectorised pass (triton_logprobs.scale_)."""
+    from hybridrl.train import triton_logprobs
+
+    return triton_logprobs.scale_(t, g) if triton_logprobs.scalable(t, g) else t.mul_(g)
+
+
+def _scale_add_(dst: torch.Tensor, src: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """`dst.add_(src.mul_(g))`, `src` consumed; on CUDA in one pass (triton_logprobs.scale_add_)."""
+    from hybridrl.train import triton_logprobs
+
+    if dst.dtype == src.dtype and dst.shape == src.shape and triton_logprobs.scalable(dst, g) and triton_logprobs.scalable(src, g):
+        return triton_logprobs.scale_add_(dst, src, g)
+    return dst.add_(src.mul_(g))
 
 
 class _LinearLogprobs(torch.autograd.Function):
@@ -227,8 +248,10 @@ class _PrecomputedGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        grad_h, grad_w, grad_b = (None if t is None else t.mul_(g) for t in ctx.saved_tensors)  # each buffer is used once
-        return grad_h, ctx.weight_grad.deliver(grad_w), grad_b, None, None, None
+        grad_h, grad_w, grad_b = ctx.saved_tensors  # each buffer is used once: scaled in place
+        grad_h = None if grad_h is None else _scale_(grad_h, g)
+        grad_b = None if grad_b is None else _scale_(grad_b, g)
+        return grad_h, ctx.weight_grad.deliver(grad_w, scale=g), grad_b, None, None, None  # scaled as it goes into .grad
 
 
 def token_logprobs_with_grad(
