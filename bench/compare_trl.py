@@ -29,7 +29,9 @@ transformers `generate`, fp32 weights and AdamW state under bf16 autocast, gradi
 run to the limit. On a GPU each system runs in its own subprocess, so each peak-memory figure is its
 own. Step time is the mean over the steps after the first. TRL is optional: without it only the
 hybridrl half runs. On a GPU the table also sets hybridrl against BENCHMARK.md's TRL figures, which,
-unlike the TRL run of the same call, do not vary from call to call.
+unlike the TRL run of the same call, do not vary from call to call, and for W0.5B it says which of the
+target lines the call met: a step of at most 1.9 s, at least 8x shorter than the same call's TRL step, a
+peak of at most half of TRL's (also in the JSON, under "targets").
 """
 
 from __future__ import annotations
@@ -502,6 +504,9 @@ def _fmt(value, spec: str, unit: str = "") -> str:
 # target where it names one: a reference that does not move with the TRL run of the same call, whose
 # step time varies from call to call (14.6-26.4 s at W0.5B over sessions; train/NOTES.md)
 BENCHMARK_MD_TRL = {"0.5B": (15.5, 22.9, 1.9), "1.5B": (20.4, 51.5, None)}
+# The other two lines of the same check, against the TRL run of the same call: at least this many times
+# shorter a step, and at most this fraction of its peak allocated memory.
+TARGET_SPEEDUP, TARGET_MEMORY_RATIO = 8.0, 0.5
 
 
 def summarise(w: Workload, h: dict, trl: dict, bound_s: float | None) -> dict:
@@ -523,6 +528,13 @@ def summarise(w: Workload, h: dict, trl: dict, bound_s: float | None) -> dict:
         result["tokens_per_s_ratio"] = h["response_tokens_per_s"] / trl["response_tokens_per_s"]
         if h.get("peak_allocated_gib") and trl.get("peak_allocated_gib"):
             result["memory_ratio"] = h["peak_allocated_gib"] / trl["peak_allocated_gib"]
+    target_s = result.get("against_benchmark_md", {}).get("target_step_time_s")
+    if target_s and "speedup" in result:  # the workload BENCHMARK.md sets targets for, with TRL run beside it
+        targets = {"step_time_s": (h["step_time_s"], target_s, h["step_time_s"] <= target_s),
+                   "speedup": (result["speedup"], TARGET_SPEEDUP, result["speedup"] >= TARGET_SPEEDUP)}  # fmt: skip
+        if "memory_ratio" in result:
+            targets["memory_ratio"] = (result["memory_ratio"], TARGET_MEMORY_RATIO, result["memory_ratio"] <= TARGET_MEMORY_RATIO)
+        result["targets"] = {k: {"value": v, "line": line, "met": met} for k, (v, line, met) in targets.items()}
     return result
 
 
@@ -556,6 +568,13 @@ def print_table(result: dict) -> None:
         target = f"; the target is {ref['target_step_time_s']} s" if ref["target_step_time_s"] else ""
         print(f"\nagainst BENCHMARK.md's TRL figures ({ref['trl_step_time_s']} s, {ref['trl_peak_allocated_gib']} GiB): "
               f"{ref['speedup']:.1f}x shorter, {ref['memory_ratio']:.0%} of its memory{target}")  # fmt: skip
+    if "targets" in result:
+        t, met = result["targets"], lambda k: "met" if result["targets"][k]["met"] else "not met"  # noqa: E731
+        line = (f"targets: step {t['step_time_s']['value']:.2f} s against <= {t['step_time_s']['line']} s: {met('step_time_s')}; "
+                f"{t['speedup']['value']:.1f}x shorter than this call's TRL against >= {t['speedup']['line']:.0f}x: {met('speedup')}")  # fmt: skip
+        if "memory_ratio" in t:
+            line += f"; {t['memory_ratio']['value']:.0%} of its peak against <= {t['memory_ratio']['line']:.0%}: {met('memory_ratio')}"
+        print(line)
     if "hybridrl_fraction_of_bound" in result:
         print(f"\nhybridrl step at {result['hybridrl_fraction_of_bound']:.0%} of the physical bound ({result['physical_bound_s']:.2f} s)")
     if "phases_s" in h:

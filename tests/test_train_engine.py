@@ -78,6 +78,14 @@ def test_compare_trl_table_sets_hybridrl_against_benchmark_md_too(capsys):
     assert "against BENCHMARK.md's TRL figures (15.5 s, 22.9 GiB): 6.2x shorter, 30% of its memory; the target is 1.9 s" in out
     w15 = compare_trl.summarise(compare_trl.workload("1.5B"), dict(h), dict(trl), bound_s=None)
     assert w15["against_benchmark_md"]["speedup"] == pytest.approx(20.4 / 2.5) and w15["against_benchmark_md"]["target_step_time_s"] is None
+    # The three lines, each with its verdict: W0.5B only (W1.5B has no step-time target).
+    assert {k: v["met"] for k, v in result["targets"].items()} == {"step_time_s": False, "speedup": True, "memory_ratio": True}
+    assert "targets: step 2.50 s against <= 1.9 s: not met; 8.0x shorter than this call's TRL against >= 8x: met; 50% of its peak against <= 50%: met" in out
+    assert "targets" not in w15
+    slow_trl = compare_trl.summarise(compare_trl.workload("0.5B"), dict(h, step_time_s=1.8), dict(trl, step_time_s=12.0, peak_allocated_gib=13.0), bound_s=1.35)
+    assert {k: v["met"] for k, v in slow_trl["targets"].items()} == {"step_time_s": True, "speedup": False, "memory_ratio": False}
+    alone = compare_trl.summarise(compare_trl.workload("0.5B"), dict(h), {"skipped": "--skip-trl"}, bound_s=1.35)
+    assert "targets" not in alone  # the ratios need TRL in the same call
     # CPU (no peak memory) and the tiny workload: BENCHMARK.md has no figure to set them against
     assert "against_benchmark_md" not in compare_trl.summarise(compare_trl.workload("tiny"), dict(h), dict(trl), bound_s=None)
     assert "against_benchmark_md" not in compare_trl.summarise(compare_trl.workload("0.5B"), {"step_time_s": 2.5, "response_tokens_per_step": 1.0, "peak_allocated_gib": None}, {}, bound_s=None)
