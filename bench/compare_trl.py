@@ -569,7 +569,8 @@ def print_table(result: dict) -> None:
         print(f"\nagainst BENCHMARK.md's TRL figures ({ref['trl_step_time_s']} s, {ref['trl_peak_allocated_gib']} GiB): "
               f"{ref['speedup']:.1f}x shorter, {ref['memory_ratio']:.0%} of its memory{target}")  # fmt: skip
     if "targets" in result:
-        t, met = result["targets"], lambda k: "met" if result["targets"][k]["met"] else "not met"  # noqa: E731
+        t = result["targets"]
+        met = lambda k: "met" if t[k]["met"] else "not met"  # noqa: E731
         line = (f"targets: step {t['step_time_s']['value']:.2f} s against <= {t['step_time_s']['line']} s: {met('step_time_s')}; "
                 f"{t['speedup']['value']:.1f}x shorter than this call's TRL against >= {t['speedup']['line']:.0f}x: {met('speedup')}")  # fmt: skip
         if "memory_ratio" in t:

@@ -157,7 +157,6 @@ def test_scale_kernels_round_as_torch_does(dtype, scale):
         assert not triton_logprobs.scalable(t, g.cpu()) and not triton_logprobs.scalable(t.cpu(), g)
 
 
-
 @gpu
 def test_gradient_made_in_the_lm_head_forward_matches_the_backwards_in_bf16():
     """response_logprobs_with_grad on the GPU path (bf16, flash, the Triton statistics and gradient
