@@ -390,6 +390,52 @@ def test_reference_offload_moves_weights_to_pinned_host_memory():
 
 
 @gpu
+def test_streamed_reference_weights_give_the_same_pass_without_a_host_sync():
+    """Streamed (train.stream_reference): prefetch() sends the embedding only, the pass sends the
+    rest and waits for each layer group's weights on the GPU, not on the host."""
+    from hybridrl.train.policy import batched_logprobs
+    from hybridrl.train.reference import OffloadedWeights, weights_on_device
+    from hybridrl.train.setup import LayerGroup
+
+    def grouped_model():
+        model = _model(torch.bfloat16).eval().requires_grad_(False)
+        enable_packed_attention(model, "flash")
+        layers = model.model.layers
+        model.model._hybridrl_layer_groups = [LayerGroup(list(layers[:2])), LayerGroup(list(layers[2:]))]
+        return model
+
+    model = grouped_model()
+    batch = dataclasses.replace(_batch(), packed=True)
+    batch.host_view()
+    want, _ = batched_logprobs(model, batch, micro_batch_size=2, temperature=1.0, max_tokens=700)
+    offloaded = OffloadedWeights(model)
+    assert offloaded.gated()
+    for _ in range(2):  # the second time re-records the same events
+        torch.cuda.synchronize()
+        offloaded.prefetch()
+        assert offloaded._issued == 1  # the embedding: the layers wait for the pass
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with weights_on_device(offloaded):
+                assert offloaded._issued == len(offloaded.stages)
+                assert model.model._hybridrl_weights_gate.ready == -1  # nothing waited for yet
+                got, _ = batched_logprobs(model, batch, micro_batch_size=2, temperature=1.0, max_tokens=700)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert not hasattr(model.model, "_hybridrl_weights_gate")
+        assert all(p.device.type == "cpu" for p in model.parameters())
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    model = grouped_model()
+    unstreamed = OffloadedWeights(model, streamed=False)  # all at once, waited for before the pass
+    unstreamed.prefetch()
+    assert unstreamed._issued == len(unstreamed.stages)
+    with weights_on_device(unstreamed):
+        assert not hasattr(model.model, "_hybridrl_weights_gate")
+        got, _ = batched_logprobs(model, batch, micro_batch_size=2, temperature=1.0, max_tokens=700)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@gpu
 def test_fp32_residual_on_both_sides_narrows_the_rollout_trainer_gap():
     """bf16, 12 layers, packed trainer vs native rollout (W0.5B: 1.0e-2 -> 6.6e-3,
     bench/logprob_parity.py). The trainer with an fp32 stream is also closer to the fp32 model."""

@@ -16,7 +16,8 @@ from hybridrl.train.attention import enable_packed_attention
 from hybridrl.train.batch import build_sequence_batch
 from hybridrl.train.optim import build_optimizer, build_scheduler
 from hybridrl.train.policy import PolicyTrainer, batched_logprobs
-from hybridrl.train.reference import OffloadedWeights, weights_on_device
+from hybridrl.train.reference import OffloadedWeights, StageGate, forward_stages, weights_on_device
+from hybridrl.train.setup import LayerGroup, grouped_decoder_forward
 
 
 def _batch(packed: bool):
@@ -92,6 +93,102 @@ def test_offloaded_weights_share_one_aligned_buffer_per_dtype():
     offloaded.prefetch()  # off CUDA: nothing to copy
     assert not offloaded.prefetched
 
+
+
+def test_offloaded_weights_are_laid_out_in_the_order_the_forward_reaches_them(tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval().requires_grad_(False)
+    expected = [p.detach().clone() for p in model.parameters()]
+    names = {id(p): n for n, p in model.named_parameters()}
+    offloaded = OffloadedWeights(model)
+    layers = model.model.layers
+    assert offloaded.streamed and len(offloaded.stages) == len(layers) + 2
+    stage_names = [[names[id(offloaded.params[i])] for i in stage] for stage in offloaded.stages]
+    assert stage_names[0] == ["model.embed_tokens.weight"]
+    for i, stage in enumerate(stage_names[1:-1]):
+        assert stage and all(n.startswith(f"model.layers.{i}.") for n in stage), stage
+    assert set(stage_names[-1]) <= {"model.norm.weight", "lm_head.weight"} and "model.norm.weight" in stage_names[-1]
+    # Each stage is one slice of the flat buffer, the slices in stage order, every parameter inside its own.
+    flat = offloaded.flat[torch.float32]
+    previous_end = 0
+    for stage, ranges in zip(offloaded.stages, offloaded._ranges):
+        lo, hi = ranges[torch.float32]
+        assert lo == previous_end and hi > lo
+        previous_end = hi
+        for i in stage:
+            offset = (offloaded.host[i].data_ptr() - flat.data_ptr()) // 4
+            assert lo <= offset and offset + offloaded.host[i].numel() <= hi
+    assert previous_end == flat.numel()
+    assert [p.data_ptr() for p in model.parameters()] == [h.data_ptr() for h in offloaded.host]
+    assert all(torch.equal(p, e) for p, e in zip(model.parameters(), expected))
+
+
+def test_forward_stages_fall_back_to_one_stage_where_the_order_is_unknown(tiny_model_path):
+    plain = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 7))
+    assert forward_stages(plain, list(plain.parameters())) == [[0, 1, 2, 3]]
+    assert not OffloadedWeights(plain).streamed
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    model.model.register_parameter("scale", torch.nn.Parameter(torch.ones(3)))  # a weight the forward might read anywhere
+    params = list(model.parameters())
+    assert forward_stages(model, params) == [list(range(len(params)))]
+
+
+class _RecordingStream:
+    def __init__(self):
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+def test_stage_gate_waits_once_per_stage_and_only_forward():
+    stream = _RecordingStream()
+    gate = StageGate(["embed", "layer0", "layer1", "layer2", "rest"], stream)
+    gate.before_stage(0)
+    gate.before_stage(0)
+    gate.before_stage(3)
+    gate.before_stage(2)  # covered by stage 3's event: the copies run in stage order on one stream
+    gate.before_stage(9)  # past the last stage: the last
+    gate.wait_all()
+    assert stream.waited == ["embed", "layer2", "rest"]
+
+
+class _RecordingGate:
+    def __init__(self):
+        self.calls = []
+
+    def before_stage(self, stage):
+        self.calls.append(stage)
+
+    def wait_all(self):
+        self.calls.append("all")
+
+
+def test_the_grouped_forward_asks_for_each_stage_before_it_runs(tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval().requires_grad_(False)
+    base, layers = model.model, model.model.layers
+    assert len(layers) >= 2
+    ids = torch.randint(5, 100, (1, 12))
+    positions = torch.arange(12)[None]
+    want = base(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+    base._hybridrl_layer_groups = [LayerGroup(list(layers[:1])), LayerGroup(list(layers[1:]))]
+    base._hybridrl_weights_gate = gate = _RecordingGate()
+    got = grouped_decoder_forward(base, ids, positions)
+    assert gate.calls == [0, 1, len(layers), "all"]
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_an_ungrouped_pass_waits_for_all_the_streamed_weights_first(tiny_model_path, packed):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval().requires_grad_(False)
+    enable_packed_attention(model)
+    batch = _batch(packed)
+    want, _ = batched_logprobs(model, batch, micro_batch_size=8, temperature=1.0)
+    gate = model.model._hybridrl_weights_gate = _RecordingGate()
+    model.model.embed_tokens.register_forward_pre_hook(lambda *_: gate.calls.append("embed"))
+    got, _ = batched_logprobs(model, batch, micro_batch_size=8, temperature=1.0)
+    passes = gate.calls.count("embed")
+    assert passes >= 1 and gate.calls == ["all", "embed"] * passes  # each forward waits for everything, then reads
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("packed", [False, True])

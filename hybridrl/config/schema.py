@@ -130,6 +130,10 @@ class TrainConfig:
     # weights + bf16 Kahan compensation, bf16 moments and gradients (10 B/param, bf16 only); "none": AdamW in bf16
     master_weights: str = "fp32"
     offload_reference: bool = False  # keep the reference model in pinned CPU memory except during its forward pass
+    # with offload_reference and compile_layers_per_graph > 1: copy the reference's weights stage by stage (the
+    # embedding while the batch is laid out, each decoder layer once its pass begins) and let each stage of the
+    # pass wait for its own weights only; false: the pass waits for the whole copy
+    stream_reference: bool = True
     # keep the optimizer's moments (and compensation) in pinned CPU memory except during optimizer.step():
     # less peak GPU memory (6 of compensated's 10 B/param), one host-to-GPU copy of that state per step
     offload_optimizer: bool = False

@@ -24,6 +24,7 @@ from hybridrl.train.setup import grouped_decoder_forward
 def _run(model: torch.nn.Module, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(output `[1 or B, L, ...]` of `model`, flat positions `[N]` predicting the response tokens,
     the tokens `[N]`, their flat places `[N]` in `[B, T]`)."""
+    gate = getattr(model, "_hybridrl_weights_gate", None)  # reference.OffloadedWeights, streamed
     if batch.packed:
         on_cuda = batch.input_ids.device.type == "cuda"
         check_window(model.config, int(batch.host_view()[1].sum(1).max()) if batch.size else 0)
@@ -35,8 +36,12 @@ def _run(model: torch.nn.Module, batch: SequenceBatch) -> tuple[torch.Tensor, to
             hidden = grouped_decoder_forward(model, layout.input_ids, layout.position_ids, **attention)
             out = BaseModelOutput(last_hidden_state=hidden)
         else:
+            if gate is not None:  # only the grouped forward waits stage by stage
+                gate.wait_all()
             out = model(input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False, **attention)
         return out, layout.logit_index, layout.labels, layout.target_index
+    if gate is not None:
+        gate.wait_all()
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False)
     # Where the response tokens are, read from the host copy: `nonzero` on the device is a host sync.
     rows, cols = (to_device(i, batch.input_ids.device) for i in batch.host_view()[2].nonzero(as_tuple=True))

@@ -155,12 +155,23 @@ def compile_layers(model: torch.nn.Module, layers_per_graph: int = 1, *, dynamic
 def grouped_decoder_forward(base: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, **layer_kwargs) -> torch.Tensor:
     """The final hidden states `[1, L, H]` of a packed row through `compile_layers`' layer groups:
     what the model's own forward computes (GROUPABLE_MODEL_TYPES), one compiled call per group."""
+    # An offloaded reference whose weights are still on their way (reference.OffloadedWeights, streamed):
+    # each stage waits for its own weights only, 0 the embedding, i + 1 decoder layer i.
+    gate = getattr(base, "_hybridrl_weights_gate", None)
+    if gate is not None:
+        gate.before_stage(0)
     hidden = base.embed_tokens(input_ids)
     position_embeddings = base.rotary_emb(hidden, position_ids)
     if getattr(base, "_hybridrl_dynamic_tokens", False):
         _mark_token_dims_dynamic(hidden, position_ids, position_embeddings, layer_kwargs.get("hybridrl_varlen"))
+    done = 0
     for group in base._hybridrl_layer_groups:
+        done += len(group.layers)
+        if gate is not None:
+            gate.before_stage(done)
         hidden = group(hidden, position_embeddings=position_embeddings, position_ids=position_ids, **layer_kwargs)
+    if gate is not None:
+        gate.wait_all()
     return base.norm(hidden)
 
 

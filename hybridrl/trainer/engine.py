@@ -214,7 +214,7 @@ class TrainerEngine:
         if cfg.algorithm.kl_coef > 0:
             self.ref_model = frozen_copy(self.model)
             if cfg.train.offload_reference:
-                self.ref_offload = OffloadedWeights(self.ref_model)
+                self.ref_offload = OffloadedWeights(self.ref_model, streamed=cfg.train.stream_reference)
         self.policy_trainer = PolicyTrainer(self.model, self.optimizer, self.scheduler, cfg.train, cfg.algorithm, temperature=cfg.rollout.temperature)
         if self.spec.needs_critic or critic is not None:
             self.critic = self._load_critic(critic)
