@@ -392,7 +392,7 @@ def test_reference_offload_moves_weights_to_pinned_host_memory():
 @gpu
 def test_streamed_reference_weights_give_the_same_pass_without_a_host_sync():
     """Streamed (train.stream_reference): prefetch() sends the embedding only, the pass sends the
-    rest and waits for each layer group's weights on the GPU, not on the host."""
+    rest when it begins and waits for each layer group's weights on the GPU, not on the host."""
     from hybridrl.train.policy import batched_logprobs
     from hybridrl.train.reference import OffloadedWeights, weights_on_device
     from hybridrl.train.setup import LayerGroup
@@ -417,9 +417,10 @@ def test_streamed_reference_weights_give_the_same_pass_without_a_host_sync():
         torch.cuda.set_sync_debug_mode("error")
         try:
             with weights_on_device(offloaded):
-                assert offloaded._issued == len(offloaded.stages)
-                assert model.model._hybridrl_weights_gate.ready == -1  # nothing waited for yet
+                # The layers go once the pass has queued its own inputs: copies to the GPU run in issue order.
+                assert offloaded._issued == 1 and model.model._hybridrl_weights_gate.ready == -1
                 got, _ = batched_logprobs(model, batch, micro_batch_size=2, temperature=1.0, max_tokens=700)
+                assert offloaded._issued == len(offloaded.stages)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert not hasattr(model.model, "_hybridrl_weights_gate")

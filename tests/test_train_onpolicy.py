@@ -152,6 +152,16 @@ def test_stage_gate_waits_once_per_stage_and_only_forward():
     assert stream.waited == ["embed", "layer2", "rest"]
 
 
+def test_stage_gate_sends_the_rest_of_the_weights_when_the_pass_first_asks():
+    stream, sent = _RecordingStream(), []
+    gate = StageGate(["embed", "layer0", "rest"], stream, send_rest=lambda: sent.append(list(stream.waited)))
+    assert sent == []
+    gate.before_stage(0)
+    gate.before_stage(1)
+    gate.wait_all()
+    assert sent == [[]]  # once, before the first wait
+
+
 class _RecordingGate:
     def __init__(self):
         self.calls = []

@@ -14,10 +14,12 @@ above training's), past half of TRL's 13.2 GiB. So the copy waits for the rollou
 Streamed (`train.stream_reference`, where the pass runs through compiled layer groups): the buffers
 are laid out in the order a decoder's forward reaches its weights (the token embedding, each decoder
 layer, the rest) and copied stage by stage, an event after each. `prefetch()` sends the embedding
-only; the rest goes when the pass begins, queued behind the batch's own copies to the device
-instead of in front of them, and the pass waits for each stage's event just before the stage runs
-(`setup.grouped_decoder_forward` asks `StageGate`). At W0.5B a layer's weights cross PCIe in ~1 ms
-and its share of the first forward takes ~3 ms, so after the embedding the pass never waits.
+only. The rest is sent when the pass asks for its first stage, after the pass's own inputs (the
+packed row's token ids and segments) were queued for the device: copies to the GPU run one after
+another in the order they were issued, whatever their stream, so inputs queued behind 3 GB of
+weights (W1.5B) wait ~55 ms for them. The pass then waits for each stage's event just before the
+stage runs (`setup.grouped_decoder_forward` asks `StageGate`). At W1.5B a layer's weights cross PCIe
+in ~2 ms and its share of the first forward takes ~7 ms, so past the first group the pass does not wait.
 """
 
 from __future__ import annotations
@@ -57,14 +59,18 @@ class StageGate:
     """Makes a stream wait for the copy of a forward's weights stage by stage (events recorded after
     each stage's copy, on one side stream, so an event also covers every stage before it)."""
 
-    def __init__(self, events: list, stream):
+    def __init__(self, events: list, stream, send_rest=None):
         self.events = events
         self.stream = stream
+        self.send_rest = send_rest  # called once, at the first stage asked for: issues the copies not yet issued
         self.ready = -1  # the stages up to here have been waited for
 
     def before_stage(self, stage: int) -> None:
         """Called on the host before stage `stage`'s kernels are issued (0: the embedding, i + 1:
         decoder layer i); later calls for a stage already waited for cost nothing."""
+        if self.send_rest is not None:
+            self.send_rest, send = None, self.send_rest
+            send()
         stage = min(stage, len(self.events) - 1)
         if stage > self.ready:
             self.stream.wait_event(self.events[stage])
@@ -119,14 +125,15 @@ class OffloadedWeights:
         through compiled layer groups (setup.grouped_decoder_forward, which asks the gate)."""
         return self.streamed and bool(getattr(self.base, "_hybridrl_layer_groups", None))
 
-    def _issue(self, upto: int) -> None:
-        """Issues the copies of stages [_issued, upto) on the side stream, each followed by its event."""
+    def _issue(self, device_flat: dict[torch.dtype, torch.Tensor], upto: int) -> None:
+        """Issues the copies of stages [_issued, upto) into `device_flat` on the side stream, each
+        followed by its event."""
         while len(self._events) < len(self.stages):
             self._events.append(torch.cuda.Event())
         with torch.cuda.stream(self._stream):
             for s in range(self._issued, upto):
                 for dtype, (lo, hi) in self._ranges[s].items():
-                    self._prefetched[dtype][lo:hi].copy_(self.flat[dtype][lo:hi], non_blocking=True)
+                    device_flat[dtype][lo:hi].copy_(self.flat[dtype][lo:hi], non_blocking=True)
                 self._events[s].record(self._stream)
         self._issued = max(self._issued, upto)
 
@@ -137,8 +144,8 @@ class OffloadedWeights:
     def prefetch(self) -> None:
         """Starts the copy to the device on a side stream, so that it runs while the GPU does other
         work; the next `on_device()` waits for it instead of copying. Gated (`gated()`), only the
-        first stage (the embedding) is sent now and the rest by `on_device()`. No-op off CUDA, or if
-        a copy is already on its way."""
+        first stage (the embedding) is sent now, and the rest when the pass begins. No-op off CUDA,
+        or if a copy is already on its way."""
         if self.device.type != "cuda" or self._prefetched is not None:
             return
         if self._stream is None:
@@ -147,20 +154,21 @@ class OffloadedWeights:
         with torch.cuda.stream(self._stream):
             self._prefetched = {dtype: torch.empty_like(host, device=self.device) for dtype, host in self.flat.items()}
         self._issued = 0
-        self._issue(1 if self.gated() else len(self.stages))
+        self._issue(self._prefetched, 1 if self.gated() else len(self.stages))
 
     @contextlib.contextmanager
     def on_device(self) -> Iterator[None]:
         gate = None
         if self._prefetched is not None:
             current = torch.cuda.current_stream(self.device)
-            self._issue(len(self.stages))  # the stages prefetch() left: now behind whatever was queued since
             flat, self._prefetched = self._prefetched, None
             for t in flat.values():  # allocated on the side stream, used and freed on this one
                 t.record_stream(current)
-            if self.gated():
-                gate = self.base._hybridrl_weights_gate = StageGate(self._events, current)
+            if self.gated():  # the stages prefetch() left go once the pass has queued its inputs
+                send_rest = lambda flat=flat: self._issue(flat, len(self.stages))  # noqa: E731
+                gate = self.base._hybridrl_weights_gate = StageGate(self._events, current, send_rest)
             else:
+                self._issue(flat, len(self.stages))
                 current.wait_stream(self._stream)
         else:
             flat = self._copy_to_device()
