@@ -408,7 +408,7 @@ def test_streamed_reference_weights_give_the_same_pass_without_a_host_sync():
     batch = dataclasses.replace(_batch(), packed=True)
     batch.host_view()
     want, _ = batched_logprobs(model, batch, micro_batch_size=2, temperature=1.0, max_tokens=700)
-    offloaded = OffloadedWeights(model)
+    offloaded = OffloadedWeights(model, streamed=True)
     assert offloaded.gated()
     for _ in range(2):  # the second time re-records the same events
         torch.cuda.synchronize()

@@ -99,7 +99,7 @@ def test_offloaded_weights_are_laid_out_in_the_order_the_forward_reaches_them(ti
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval().requires_grad_(False)
     expected = [p.detach().clone() for p in model.parameters()]
     names = {id(p): n for n, p in model.named_parameters()}
-    offloaded = OffloadedWeights(model)
+    offloaded = OffloadedWeights(model, streamed=True)
     layers = model.model.layers
     assert offloaded.streamed and len(offloaded.stages) == len(layers) + 2
     stage_names = [[names[id(offloaded.params[i])] for i in stage] for stage in offloaded.stages]
@@ -125,7 +125,7 @@ def test_offloaded_weights_are_laid_out_in_the_order_the_forward_reaches_them(ti
 def test_forward_stages_fall_back_to_one_stage_where_the_order_is_unknown(tiny_model_path):
     plain = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 7))
     assert forward_stages(plain, list(plain.parameters())) == [[0, 1, 2, 3]]
-    assert not OffloadedWeights(plain).streamed
+    assert not OffloadedWeights(plain, streamed=True).streamed
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     model.model.register_parameter("scale", torch.nn.Parameter(torch.ones(3)))  # a weight the forward might read anywhere
     params = list(model.parameters())

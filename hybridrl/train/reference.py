@@ -19,7 +19,10 @@ packed row's token ids and segments) were queued for the device: copies to the G
 another in the order they were issued, whatever their stream, so inputs queued behind 3 GB of
 weights (W1.5B) wait ~55 ms for them. The pass then waits for each stage's event just before the
 stage runs (`setup.grouped_decoder_forward` asks `StageGate`). At W1.5B a layer's weights cross PCIe
-in ~2 ms and its share of the first forward takes ~7 ms, so past the first group the pass does not wait.
+in ~2 ms and its share of the first forward takes ~5 ms, so past the first group the pass should not
+wait. Measured on an H200 (train/NOTES.md, session 34) it gains less than that: the batch phase got
+9-57 ms shorter, the reference pass 10-40 ms longer; W0.5B's step did not move, W1.5B's batch and
+reference phases took 0.823 s against 0.844 s in one call. So it is off by default.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ class OffloadedWeights:
     The parameters of one dtype share one flat buffer, so a copy either way is a few transfers per
     dtype (one per stage when streamed), not one per parameter (W0.5B: 290 parameters)."""
 
-    def __init__(self, model: torch.nn.Module, *, streamed: bool = True):
+    def __init__(self, model: torch.nn.Module, *, streamed: bool = False):
         self.device = next(model.parameters()).device
         pin = self.device.type == "cuda"
         self.params = list(model.parameters())
