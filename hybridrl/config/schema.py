@@ -133,7 +133,7 @@ class TrainConfig:
     # with offload_reference and compile_layers_per_graph > 1: copy the reference's weights stage by stage (the
     # embedding while the batch is laid out, the layers once its pass begins) and let each layer group of the pass
     # wait for its own weights only, instead of the pass waiting for the whole copy. Off: on an H200 the batch
-    # phase got 9-57 ms shorter and the reference pass 10-40 ms longer (W0.5B no gain, W1.5B ~20 ms a step)
+    # phase got 9-57 ms shorter and the reference pass 10-36 ms longer (W0.5B no gain, W1.5B ~20 ms a step)
     stream_reference: bool = False
     # keep the optimizer's moments (and compensation) in pinned CPU memory except during optimizer.step():
     # less peak GPU memory (6 of compensated's 10 B/param), one host-to-GPU copy of that state per step

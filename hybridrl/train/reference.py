@@ -21,7 +21,7 @@ weights (W1.5B) wait ~55 ms for them. The pass then waits for each stage's event
 stage runs (`setup.grouped_decoder_forward` asks `StageGate`). At W1.5B a layer's weights cross PCIe
 in ~2 ms and its share of the first forward takes ~5 ms, so past the first group the pass should not
 wait. Measured on an H200 (train/NOTES.md, session 34) it gains less than that: the batch phase got
-9-57 ms shorter, the reference pass 10-40 ms longer; W0.5B's step did not move, W1.5B's batch and
+9-57 ms shorter, the reference pass 10-36 ms longer; W0.5B's step did not move, W1.5B's batch and
 reference phases took 0.823 s against 0.844 s in one call. So it is off by default.
 """
 
@@ -115,7 +115,7 @@ class OffloadedWeights:
         self._stream: torch.cuda.Stream | None = None
         self._events: list[torch.cuda.Event] = []
         self._prefetched: dict[torch.dtype, torch.Tensor] | None = None
-        self._issued = 0  # stages whose copy into `_prefetched` has been issued
+        self._issued = 0  # stages whose copy to the device has been issued (since the last prefetch)
 
     def _views(self, flat: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
         return [flat[dtype][off : off + shape.numel()].view(shape) for dtype, off, shape in self._slots]
