@@ -2,6 +2,7 @@
 
     python bench/compare_trl.py --skip-trl --profile 3 --trace step3.json.gz [--stack]
     python bench/trace_summary.py step3.json.gz [--top 15] [--gaps] [--why] [--launchers 'phase/train:Memset|add']
+    python bench/trace_summary.py step3.json.gz --timeline phase/ref
 
 A kernel belongs to the phase (`phase/*` ranges of the step loop) whose CPU range launched it; for
 each phase this prints its wall time, the time the GPU was busy with its kernels (the union of their
@@ -11,7 +12,9 @@ compiled forward, a compiled backward, another backward function, the optimizer,
 Python between calls, packing, waiting on a copy). With a trace recorded with Python frames
 (`--stack`), `--why` names the host-blocking CUDA calls and the frames the host was in while the GPU
 idled, and `--launchers PHASE:REGEX` counts the phase's kernels whose name matches by the operator
-and frame that launched them.
+and frame that launched them. `--timeline PHASE` lists, in ms from the phase's start, the copies the
+GPU ran during it (whichever phase issued them: a prefetch issued earlier starts at a negative time)
+and the stretches with no kernel running: whether the phase's kernels waited while copies ran.
 """
 
 from __future__ import annotations
@@ -255,6 +258,22 @@ def launchers(events: list[dict], phase: str, pattern: str, project: str = "hybr
     return sorted(((k, v[0], v[1]) for k, v in totals.items()), key=lambda x: -x[2])[:top]
 
 
+def timeline(events: list[dict], phase: str, min_idle_us: float = 200.0) -> list[dict]:
+    """For each span of `phase`: its wall ms, the copies the GPU ran during it (start ms from the span's
+    start, ms, bytes, stream, name) and the stretches of at least `min_idle_us` with no kernel running
+    (start ms, ms). Copies do not count as busy here: the question is whether computation waited."""
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name") == phase]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("cat") == "kernel")
+    copies = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_memcpy"), key=lambda e: e["ts"])
+    out = []
+    for t0, t1 in spans:
+        during = [((e["ts"] - t0) / 1e3, e["dur"] / 1e3, e.get("args", {}).get("bytes"), e.get("args", {}).get("stream"), e["name"])
+                  for e in copies if e["ts"] < t1 and e["ts"] + e["dur"] > t0]  # fmt: skip
+        idle = [((a - t0) / 1e3, (b - a) / 1e3) for a, b in idle_intervals(kernels, t0, t1) if b - a >= min_idle_us]
+        out.append({"wall_ms": (t1 - t0) / 1e3, "copies": during, "idle": idle})
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
@@ -267,6 +286,8 @@ def main(argv=None):
     ap.add_argument("--launchers", action="append", default=[], metavar="PHASE:REGEX",
                     help="kernels of PHASE whose name matches REGEX, counted by the operator and Python frame that launched "
                          "them (e.g. 'phase/train:elementwise|Memset'; trace made with --stack)")
+    ap.add_argument("--timeline", action="append", default=[], metavar="PHASE",
+                    help="the copies the GPU ran during PHASE and its stretches with no kernel running, in ms from its start")
     args = ap.parse_args(argv)
     events = load(args.trace)
     result = summarise(events, args.top)
@@ -296,6 +317,13 @@ def main(argv=None):
         print(f"\n== {phase}: kernels matching {pattern!r} by launcher (kernel ms, count)")
         for k, ms, n in launchers(events, phase, pattern):
             print(f"   {ms:9.2f} ms  {n:6d}x  {k[:240]}")
+    for phase in args.timeline:
+        for i, t in enumerate(timeline(events, phase)):
+            print(f"\n== {phase} (span {i}, wall {t['wall_ms']:.1f} ms): copies (start ms, ms, MB, stream)")
+            for start, ms, nbytes, stream, name in t["copies"]:
+                size = f"{nbytes / 2**20:9.1f}" if nbytes is not None else "        ?"
+                print(f"   {start:9.2f}  {ms:8.3f}  {size}  {stream!s:>6}  {name}")
+            print("   no kernel running (start ms, ms): " + (", ".join(f"{a:.2f} +{d:.2f}" for a, d in t["idle"]) or "never"))
     return result
 
 

@@ -3,6 +3,7 @@ reference offload; the step record carries MFU, throughput and memory."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -163,6 +164,32 @@ def test_trace_summary_names_the_blocking_call_and_the_frame_the_gpu_idled_in():
     out = trace_summary.why_idle(events)["phase/train"]
     assert out["blocking"] == [("cudaStreamSynchronize <- train/update.py(1): step / aten::item", pytest.approx(0.4), 1)]
     assert out["idle"] == [("train/update.py(1): step / aten::item", pytest.approx(0.95), 1)]
+
+
+def test_trace_summary_timeline_shows_the_copies_and_the_waits_of_a_phase(tmp_path, capsys):
+    """`timeline`: the copies running during a phase, including one issued before it, in ms from its
+    start, and the stretches without a kernel (copies do not count as computation)."""
+    trace_summary = bench_script("trace_summary")
+    X = dict(ph="X", pid=1, tid=1)
+    events = [
+        {**X, "cat": "user_annotation", "name": "phase/ref", "ts": 1000, "dur": 3000},
+        {**X, "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 500, "dur": 1500,
+         "args": {"bytes": 3 * 2**20, "stream": 7}},  # issued before the phase, still running at its start
+        {**X, "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 2000, "dur": 100, "args": {"stream": 7}},
+        {**X, "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 4500, "dur": 10, "args": {"stream": 7}},  # after
+        {**X, "cat": "kernel", "name": "embed", "ts": 1050, "dur": 50},
+        {**X, "cat": "kernel", "name": "gemm", "ts": 2150, "dur": 1800},  # waited ~1 ms for the copies
+    ]
+    (t,) = trace_summary.timeline(events, "phase/ref")
+    assert t["wall_ms"] == 3.0
+    assert t["copies"] == [(-0.5, 1.5, 3 * 2**20, 7, "Memcpy HtoD (Pinned -> Device)"), (1.0, 0.1, None, 7, "Memcpy HtoD (Pinned -> Device)")]
+    assert t["idle"] == [(0.1, pytest.approx(1.05))]  # 50 us at the start and at the end are below the threshold
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    trace_summary.main([str(path), "--timeline", "phase/ref"])
+    printed = capsys.readouterr().out
+    assert "== phase/ref (span 0, wall 3.0 ms)" in printed
+    assert "    -0.50     1.500        3.0       7  Memcpy HtoD" in printed and "no kernel running (start ms, ms): 0.10 +1.05" in printed
 
 
 def test_host_threads_default_to_one_with_a_gpu_and_to_torchs_on_cpu():
