@@ -154,10 +154,15 @@ class OffloadedWeights:
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        if not self.gated():  # the whole copy now: one transfer per dtype
+            with torch.cuda.stream(self._stream):
+                self._prefetched = self._copy_to_device()
+            self._issued = len(self.stages)
+            return
         with torch.cuda.stream(self._stream):
             self._prefetched = {dtype: torch.empty_like(host, device=self.device) for dtype, host in self.flat.items()}
         self._issued = 0
-        self._issue(self._prefetched, 1 if self.gated() else len(self.stages))
+        self._issue(self._prefetched, 1)
 
     @contextlib.contextmanager
     def on_device(self) -> Iterator[None]:
@@ -171,7 +176,6 @@ class OffloadedWeights:
                 send_rest = lambda flat=flat: self._issue(flat, len(self.stages))  # noqa: E731
                 gate = self.base._hybridrl_weights_gate = StageGate(self._events, current, send_rest)
             else:
-                self._issue(flat, len(self.stages))
                 current.wait_stream(self._stream)
         else:
             flat = self._copy_to_device()
