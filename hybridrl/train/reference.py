@@ -15,9 +15,9 @@ Streamed (`train.stream_reference`, where the pass runs through compiled layer g
 are laid out in the order a decoder's forward reaches its weights (the token embedding, each decoder
 layer, the rest) and copied stage by stage, an event after each. `prefetch()` sends the embedding
 only. The rest is sent when the pass asks for its first stage, after the pass's own inputs (the
-packed row's token ids and segments) were queued for the device: copies to the GPU run one after
-another in the order they were issued, whatever their stream, so inputs queued behind 3 GB of
-weights (W1.5B) wait ~55 ms for them. The pass then waits for each stage's event just before the
+packed row's token ids and segments) were queued for the device: copies to the GPU appear to run
+one after another in the order they were issued, whatever their stream (sent with the rest at the
+pass's start, W1.5B's reference phase grew by what the batch phase lost). The pass then waits for each stage's event just before the
 stage runs (`setup.grouped_decoder_forward` asks `StageGate`). At W1.5B a layer's weights cross PCIe
 in ~2 ms and its share of the first forward takes ~5 ms, so past the first group the pass should not
 wait. Measured on an H200 (train/NOTES.md, session 34) it gains less than that: the batch phase got
