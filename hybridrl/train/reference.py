@@ -17,12 +17,13 @@ layer, the rest) and copied stage by stage, an event after each. `prefetch()` se
 only. The rest is sent when the pass asks for its first stage, after the pass's own inputs (the
 packed row's token ids and segments) were queued for the device: copies to the GPU appear to run
 one after another in the order they were issued, whatever their stream (sent with the rest at the
-pass's start, W1.5B's reference phase grew by what the batch phase lost). The pass then waits for each stage's event just before the
-stage runs (`setup.grouped_decoder_forward` asks `StageGate`). At W1.5B a layer's weights cross PCIe
-in ~2 ms and its share of the first forward takes ~5 ms, so past the first group the pass should not
-wait. Measured on an H200 (train/NOTES.md, session 34) it gains less than that: the batch phase got
-9-57 ms shorter, the reference pass 10-36 ms longer; W0.5B's step did not move, W1.5B's batch and
-reference phases took 0.823 s against 0.844 s in one call. So it is off by default.
+pass's start, W1.5B's reference phase grew by what the batch phase lost). The pass then waits for
+each stage's event just before the stage runs (`setup.grouped_decoder_forward` asks `StageGate`).
+At W1.5B a layer's weights cross PCIe in ~2 ms and its share of the first forward takes ~5 ms, so
+past the first group the pass should not wait. Measured on an H200 (train/NOTES.md, session 34) it
+gains less than that: the batch phase got 9-57 ms shorter, the reference pass 10-36 ms longer;
+W0.5B's step did not move, W1.5B's batch and reference phases took 0.823 s against 0.844 s in one
+call. So it is off by default.
 """
 
 from __future__ import annotations
