@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -431,6 +432,10 @@ def test_finished_sequences_match_the_per_row_reference(seed):
     stop_set = {0, 3} if seed % 2 else set()
     got = finished_sequences(seqs, tokens, logprobs, lengths, stop_set)
     assert got == _reference_finished_sequences(seqs, tokens, logprobs, lengths, stop_set)
+    for s in got:  # the same values as numpy arrays, for the trainer's batch layout
+        ids, lps = s.arrays
+        assert ids.dtype == np.int64 and lps.dtype == np.float32
+        assert ids.tolist() == s.response_ids and lps.tolist() == s.response_logprobs
     assert all(type(x) is int for s in got for x in s.response_ids)
     assert all(type(x) is float for s in got for x in s.response_logprobs)
 

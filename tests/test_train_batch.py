@@ -59,6 +59,32 @@ def test_build_sequence_batch_matches_the_row_by_row_reference(seed):
         assert a.dtype == b.dtype and a.device == b.device and a.is_contiguous() and torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("seed", range(50))
+def test_numpy_response_rows_lay_out_as_lists_do(seed):
+    """The native engine hands responses and log-probs over as numpy rows (`GeneratedSequence.arrays`):
+    joined without reading each number, they give the batch and padded log-probs the lists give."""
+    from hybridrl.train.batch import pad_per_token
+
+    prompts, responses, pad_id = _random_rows(seed)
+    rows = [np.asarray(r, dtype=np.int64) for r in responses]
+    got = build_sequence_batch(prompts, rows, pad_id)
+    want = build_sequence_batch(prompts, responses, pad_id)
+    for name in ("input_ids", "attention_mask", "position_ids", "response_mask"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    rng = np.random.default_rng(seed)
+    logprobs = [(-rng.random(len(r)) * 5).astype(np.float32) for r in responses]
+    width = got.response_mask.shape[1]
+    assert torch.equal(pad_per_token(logprobs, width), pad_per_token([lp.tolist() for lp in logprobs], width))
+
+
+def test_numpy_rows_whose_lengths_disagree_are_refused():
+    from hybridrl.train.batch import _flat
+
+    with pytest.raises(ValueError, match="5 values where the lengths say 4"):
+        _flat([np.arange(2), np.arange(3)], np.int64, 4)
+
+
 def test_build_sequence_batch_of_no_rows_fails_as_before():
     with pytest.raises(ValueError) as got:
         build_sequence_batch([], [], 0)

@@ -201,6 +201,7 @@ class RolloutEngine:
                 response_ids=seq.response_ids,
                 response_logprobs=seq.response_logprobs,
                 finish_reason=seq.finish_reason,
+                arrays=seq.arrays,
             )
 
         callback = None if on_finished is None else (lambda seq: on_finished(to_sample(seq)))

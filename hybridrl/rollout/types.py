@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
+import numpy as np
+
 
 @dataclass
 class GenerationRequest:
@@ -29,6 +31,9 @@ class GeneratedSequence:
     response_ids: list[int]  # generated tokens, including the stop token if one was produced
     response_logprobs: list[float]  # log p(token) under softmax(logits / T) (T = 1 when greedy)
     finish_reason: str  # "stop" (a stop token) or "length" (max_tokens reached)
+    # The same tokens and log-probs as numpy arrays (int64, float32), where the backend has them (the
+    # native engine): the trainer lays its batch out from these instead of reading the Python lists.
+    arrays: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
 
 # Called by a backend as soon as a sequence is finished (lets scoring overlap generation).
@@ -70,6 +75,7 @@ class RolloutSample:
     response_ids: list[int]
     response_logprobs: list[float]
     finish_reason: str
+    arrays: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)  # GeneratedSequence.arrays
 
     @property
     def num_response_tokens(self) -> int:

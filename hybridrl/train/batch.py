@@ -101,7 +101,8 @@ def rows_on(index: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 def build_sequence_batch(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int) -> SequenceBatch:
-    """Pads prompts on the left and responses on the right into one batch."""
+    """Pads prompts on the left and responses on the right into one batch. Rows may be lists or 1-D
+    numpy arrays (all responses one kind: numpy rows are joined without reading each number)."""
     B = len(prompt_ids)
     if len(response_ids) != B:
         raise ValueError(f"{B} prompts but {len(response_ids)} responses: give one response per prompt row")
@@ -127,7 +128,8 @@ def build_sequence_batch(prompt_ids: Sequence[Sequence[int]], response_ids: Sequ
 
 def pad_per_token(values: Sequence[Sequence[float]], width: int) -> torch.Tensor:
     """Right-pads ragged per-token floats (e.g. rollout log-probs) into `[B, width]`."""
-    # Row by row: reading the Python floats is the cost (1.5 ms at 256 x 512), one pass or many.
+    # Row by row: with Python lists, reading the floats is the cost (1.5 ms at 256 x 512), one pass or
+    # many; numpy rows are copied as they are (~0.5 ms).
     out = np.zeros((len(values), width), dtype=np.float32)
     for b, v in enumerate(values):
         if len(v):
@@ -141,8 +143,15 @@ def _left_aligned(lengths: list[int], width: int) -> np.ndarray:
 
 
 def _flat(rows: Iterable[Iterable], dtype: type, count: int) -> np.ndarray:
-    """The rows' values end to end, read in one pass (np.fromiter): faster than a numpy conversion
-    per row (1.4 ms instead of 2.0 for 256 rows of 512 tokens)."""
+    """The rows' values end to end. Numpy rows are joined (np.concatenate); Python lists are read in
+    one pass (np.fromiter), faster than a numpy conversion per row (1.4 ms instead of 2.0 for 256
+    rows of 512 tokens)."""
+    rows = list(rows)
+    if rows and all(isinstance(r, np.ndarray) for r in rows):
+        out = np.concatenate(rows).astype(dtype, copy=False)
+        if out.size != count:
+            raise ValueError(f"{out.size} values where the lengths say {count}")
+        return out
     return np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=count)
 
 

@@ -126,9 +126,13 @@ def score_responses(t: "TrainerEngine", prompts: list["PromptExample"], samples,
 
 def make_batch(t: "TrainerEngine", samples) -> SequenceBatch:
     """The responses as a `SequenceBatch` (token ids, rollout log-probs, groups); scores come later."""
-    batch = build_sequence_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples], t.tokenizer.pad_token_id)
+    # The native engine's samples carry their tokens and log-probs as numpy arrays too: laid out from
+    # those, the batch costs ~1 ms of host time instead of ~10 reading 2 x 131k Python numbers (W0.5B).
+    arrays = all(s.arrays is not None for s in samples)
+    responses = [s.arrays[0] if arrays else s.response_ids for s in samples]
+    batch = build_sequence_batch([s.prompt_ids for s in samples], responses, t.tokenizer.pad_token_id)
     T = batch.response_mask.shape[1]
-    batch["rollout_logprobs"] = pad_per_token([s.response_logprobs for s in samples], T)
+    batch["rollout_logprobs"] = pad_per_token([s.arrays[1] if arrays else s.response_logprobs for s in samples], T)
     batch["group_ids"] = torch.tensor([s.prompt_index for s in samples], dtype=torch.long)
     batch.packed = t.packed  # forward passes lay the responses of a prompt after one copy of it
     return batch

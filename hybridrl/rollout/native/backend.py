@@ -400,5 +400,6 @@ def finished_sequences(
             response_ids=response,
             response_logprobs=row_logprobs[:length].tolist(),
             finish_reason="stop" if response[-1] in stop_set else "length",
+            arrays=(row_tokens[:length], row_logprobs[:length]),
         ))  # fmt: skip
     return out
