@@ -73,3 +73,28 @@ def test_no_grad_passes_use_their_own_token_budget(tmp_path, arith_data, monkeyp
                                                       "trainer.eval_every": 0})  # fmt: skip
     build_trainer(cfg).fit()
     assert budgets == [64]  # unset: the training budget
+
+
+def test_rollout_metrics_come_from_host_data():
+    """`rollout_metrics` reads the scores, lengths and groups the host holds (no device tensor is
+    touched), and counts a group flat when its rewards are all equal, also where a standard deviation
+    of the equal floats comes out a rounding error above zero (0.9, 0.9, 0.9 in fp32)."""
+    from types import SimpleNamespace
+
+    from hybridrl.train.batch import build_sequence_batch
+
+    responses = [[1, 2, 3], [4], [5, 6], [7, 8], [9], [1, 1, 1, 1]]
+    batch = build_sequence_batch([[1]] * 6, responses, pad_id=0)
+    batch.response_mask = batch.input_ids = batch.attention_mask = None  # only the host view may be read
+    batch.host = build_sequence_batch([[1]] * 6, responses, pad_id=0).host_view()
+    samples = [SimpleNamespace(prompt_index=p, finish_reason=f) for p, f in
+               zip([0, 0, 0, 2, 2, 5], ["length", "stop", "stop", "stop", "length", "stop"])]  # fmt: skip
+    scores = torch.tensor([0.9, 0.9, 0.9, 1.0, 0.0, 0.5])
+    assert scores[:3].std(unbiased=False) > 0  # the old test (fp32 std == 0) missed this group
+    m = rl_step.rollout_metrics(batch, samples, scores)
+    assert m["reward/frac_zero_std_groups"] == 2 / 3  # groups 0 (all 0.9) and 5 (one response)
+    assert m["reward/mean"] == float(scores.double().mean())
+    assert abs(m["reward/std"] - float(scores.std(unbiased=False))) < 1e-7
+    assert abs(m["rollout/response_length/mean"] - 13 / 6) < 1e-6
+    assert m["rollout/response_length/max"] == 4.0 and m["rollout/response_length/min"] == 1.0
+    assert m["rollout/clipped_ratio"] == 2 / 6

@@ -44,7 +44,7 @@ class SequenceBatch:
 
     @property
     def num_response_tokens(self) -> int:
-        return int(self.response_mask.sum().item())
+        return int(self.host_view()[2].sum())  # from the host copy: no device sync
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.tensors[key]

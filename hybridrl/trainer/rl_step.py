@@ -64,12 +64,12 @@ def rl_step(t: "TrainerEngine", prompts: list["PromptExample"]) -> dict[str, Any
             **diff_metrics,
             **adv_metrics,
             **train_metrics,
-            **rollout_metrics(batch, samples, cfg.rollout.max_tokens),
+            **rollout_metrics(batch, samples, scores),
             **rollout_engine_metrics(t.rollout.pop_stats()),
             **mfu_metrics(t, ref_work),
             "train/skipped_updates": skipped,
             "_num_response_tokens": batch.num_response_tokens,
-            "_num_tokens": int(batch.attention_mask.sum()),
+            "_num_tokens": int(batch.host_view()[1].sum()),
         }
 
 
@@ -212,16 +212,23 @@ def update_models(t: "TrainerEngine", batch: SequenceBatch) -> tuple[dict[str, f
     return metrics, skipped + actor_skipped
 
 
-def rollout_metrics(batch: SequenceBatch, samples, max_tokens: int) -> dict[str, float]:
-    lengths = batch.response_mask.sum(1)
-    scores = batch["scores"]
-    groups = batch["group_ids"]
-    # Groups where every response got the same reward carry no GRPO/RLOO signal.
-    flat = sum(1 for g in groups.unique() if scores[groups == g].std(unbiased=False) == 0) / max(1, len(groups.unique()))
+def rollout_metrics(batch: SequenceBatch, samples, scores: torch.Tensor) -> dict[str, float]:
+    """Rewards and response lengths, read from what the host already holds (the scores on the CPU, the
+    batch's host view, the samples' groups): no device sync. (Reading them from the device, one
+    reduction and one sync per prompt group, took ~5 ms a step at W0.5B.)"""
+    lengths = batch.host_view()[2].sum(1)
+    scores = scores.double()
+    # Groups where every response got the same reward carry no GRPO/RLOO signal. (Compared as max ==
+    # min: the fp32 standard deviation of equal rewards can come out a rounding error above zero, e.g.
+    # 6e-08 for three rewards of 0.9.)
+    _, group = torch.unique(torch.tensor([s.prompt_index for s in samples]), return_inverse=True)
+    num_groups = int(group.max()) + 1 if len(samples) else 0
+    hi = scores.new_full((num_groups,), float("-inf")).scatter_reduce(0, group, scores, "amax")
+    lo = scores.new_full((num_groups,), float("inf")).scatter_reduce(0, group, scores, "amin")
     return {
         "reward/mean": float(scores.mean()),
         "reward/std": float(scores.std(unbiased=False)),
-        "reward/frac_zero_std_groups": flat,
+        "reward/frac_zero_std_groups": float((hi == lo).double().mean()) if num_groups else 0.0,
         "rollout/response_length/mean": float(lengths.float().mean()),
         "rollout/response_length/max": float(lengths.max()),
         "rollout/response_length/min": float(lengths.min()),
