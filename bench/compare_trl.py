@@ -342,7 +342,8 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
     engine = RolloutEngine(model, load_tokenizer(model_dir), backend="native", num_kv_blocks=num_blocks,
                            max_num_seqs=w.responses, fp32_residual=cfg.rollout.fp32_residual,
                            shared_prefix_attention=cfg.rollout.shared_prefix_attention,
-                           tuned_products=cfg.rollout.tuned_products)  # fmt: skip
+                           tuned_products=cfg.rollout.tuned_products,
+                           step_ahead=None if cfg.rollout.step_ahead else False)  # fmt: skip
     engine.path = str(model_dir)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -160,6 +160,48 @@ def test_continuous_batching_with_few_slots_and_on_finished():
         assert o.response_ids == _greedy_reference(model, prompts[o.prompt_index], max_tokens[o.prompt_index])
 
 
+@pytest.mark.parametrize("max_num_seqs", [4, 64])
+def test_checks_one_step_ahead_change_no_output(max_num_seqs, monkeypatch):
+    """`step_ahead`: each host check reads the flags as of the chunk's end while one more step runs.
+    Rows that stopped were frozen through that step and the others' token budgets count it, so the
+    samples are the ones checked in step: same tokens, log-probs and finish reasons, with stop tokens
+    ending rows at every point of a chunk, rows hitting max_tokens one step after a check, few slots
+    (prompts admitted as others finish) and many."""
+    model = _model("qwen2")
+    prompts = _prompts() * 2
+    max_tokens = [13, 24, 17, 21, 28, 15, 22, 19]
+    calls = []
+    real = NativeBackend._flags_then_step
+    monkeypatch.setattr(NativeBackend, "_flags_then_step", lambda self, *a: calls.append(a) or real(self, *a))
+
+    def run(ahead):
+        backend = NativeBackend(model, block_size=4, max_num_seqs=max_num_seqs, sync_every=3, step_ahead=ahead)
+        request = GenerationRequest(prompts, n=3, max_tokens=max_tokens, temperature=1.0, seed=5, stop_token_ids=[7, 11, 30])
+        return backend.generate(request)
+
+    base = run(False)
+    assert not calls
+    ahead = run(True)
+    assert len(calls) >= 3  # the checks did run ahead
+    assert {o.finish_reason for o in base} == {"stop", "length"}
+    assert [(o.prompt_index, o.sample_index, o.response_ids, o.finish_reason) for o in ahead] == \
+        [(o.prompt_index, o.sample_index, o.response_ids, o.finish_reason) for o in base]
+    for a, b in zip(ahead, base):
+        torch.testing.assert_close(torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs), atol=1e-5, rtol=0)
+        assert len(a.response_ids) <= max_tokens[a.prompt_index]
+
+
+def test_checks_one_step_ahead_match_greedy_references():
+    """With the checks ahead, greedy outputs still equal a full forward's, stop tokens included."""
+    model = _model("qwen2")
+    prompts = _prompts()
+    stop = _greedy_reference(model, prompts[1], 20)[4]
+    backend = NativeBackend(model, block_size=4, sync_every=2, step_ahead=True)
+    outs = backend.generate(GenerationRequest(prompts, n=2, max_tokens=[20, 20, 6, 13], temperature=0.0, stop_token_ids=[stop]))
+    for o in outs:
+        assert o.response_ids == _greedy_reference(model, prompts[o.prompt_index], [20, 20, 6, 13][o.prompt_index], {stop})
+
+
 @pytest.mark.parametrize("fuse_weights", [False, True])
 def test_sleep_wake_and_in_place_weight_updates(fuse_weights):
     model = _model("qwen2")

@@ -31,7 +31,8 @@ def build_trainer(cfg: Config):
         m.path, backend=r.backend, dtype=m.dtype, device=str(resolve_device(cfg.train.device)),
         attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code, chat_template=m.chat_template,
         native_options={"kv_cache_fraction": r.kv_cache_fraction, "fp32_residual": r.fp32_residual,
-                        "shared_prefix_attention": r.shared_prefix_attention, "tuned_products": r.tuned_products},
+                        "shared_prefix_attention": r.shared_prefix_attention, "tuned_products": r.tuned_products,
+                        "step_ahead": None if r.step_ahead else False},
     )
     reward = None
     if algorithm_spec(cfg.algorithm.name).kind == "rl":

@@ -59,6 +59,9 @@ class RolloutConfig:
     # native engine on CUDA: each decode product through the cuBLASLt algorithm timed fastest for its shape
     # (once, before the first decode graph), PyTorch's pick where none is faster
     tuned_products: bool = True
+    # native engine on CUDA: a host check between decode chunks reads the rows' flags while the GPU runs the
+    # next step, instead of the GPU waiting through the check (the samples are the same)
+    step_ahead: bool = True
     eval_temperature: float = 0.0  # temperature for evaluation (0: greedy accuracy)
 
 

@@ -68,6 +68,11 @@ class NativeBackend:
         # with tuned_products: time each cuBLASLt answer's split-K / reduction / swizzle variants too (~2 s
         # more tuning once; no faster product found at W0.5B, so off)
         tuned_product_variants: bool = False,
+        # A host check between decode chunks reads the rows' done flags and step counts as of the chunk's
+        # end while the GPU already runs the next step, so the GPU does not wait through the check (only
+        # when every running row has a token left; rows found done were frozen through that step).
+        # Default: on CUDA (on CPU it changes nothing but the order of work; tests turn it on there).
+        step_ahead: bool | None = None,
     ):
         if not 0.0 < kv_cache_fraction < 1.0:
             raise ValueError(f"kv_cache_fraction ({kv_cache_fraction}) must be in (0, 1)")
@@ -93,6 +98,8 @@ class NativeBackend:
         self.max_slots = max_num_seqs
         self.use_graphs = cuda_graphs and self.on_cuda
         self.sync_every = sync_every
+        self.step_ahead = self.on_cuda if step_ahead is None else step_ahead
+        self._flags_host: tuple[torch.Tensor, torch.Tensor] | None = None  # pinned copies of done / steps
         self.num_kv_blocks = num_kv_blocks
         self.fuse_weights = self.on_cuda if fuse_weights is None else fuse_weights
         if self.fuse_weights:
@@ -206,7 +213,9 @@ class NativeBackend:
             if stop_set:
                 num_steps = min(num_steps, self.sync_every)
             self._decode(sched.batch_rows, params, num_steps)
-            self._collect(sched, stop_set, results, on_finished, remaining)
+            # Every running row still has a token left after these steps: the check may run one step ahead.
+            ahead = self.step_ahead and min(remaining.values()) > num_steps
+            self._collect(sched, stop_set, results, on_finished, remaining, ahead=params if ahead else None)
             stats["decode_s"] += time.perf_counter() - t1
         assert self.cache.allocator.num_free == self.cache.num_blocks - 1, "KV blocks leaked"
         stats["capture_s"] = self.graphs.capture_s - captured_before
@@ -339,15 +348,24 @@ class NativeBackend:
             for _ in range(num_steps):
                 self.state.step(batch, self.decoder, self.cache, params)
 
-    def _collect(self, sched: Scheduler, stop_set: set[int], results: list, on_finished, remaining: dict) -> None:
-        """Retires finished rows (one host sync), streams them out, and compacts the batch."""
+    def _collect(self, sched: Scheduler, stop_set: set[int], results: list, on_finished, remaining: dict,
+                 ahead: SamplingParams | None = None) -> None:  # fmt: skip
+        """Retires finished rows (one host sync), streams them out, and compacts the batch.
+
+        `ahead`: the flags are read as of now while one more decode step (with these sampling
+        parameters) runs over the same rows; rows found done were frozen through it (`advance`), the
+        others are one token further on than the counts read, which `remaining` accounts for."""
         rows = sched.batch_rows
         if rows == 0:
             return
         self.stats["host_syncs"] += 1
         state = self.state
-        done = state.done[:rows].tolist()  # plain lists: indexing a CPU tensor per row costs ~us each
-        steps = state.steps[:rows].tolist()
+        if ahead is None:
+            done = state.done[:rows].tolist()  # plain lists: indexing a CPU tensor per row costs ~us each
+            steps = state.steps[:rows].tolist()
+        else:
+            done, steps = self._flags_then_step(rows, ahead)
+        extra = 0 if ahead is None else 1
         finished = sorted(s for s in sched.running if done[s])
         if finished:
             idx = torch.tensor(finished, device=self.device)
@@ -361,7 +379,7 @@ class NativeBackend:
                     on_finished(out)
             state.reset_rows(finished)
         for slot, seq in sched.running.items():
-            remaining[slot] = seq.group.max_tokens - steps[slot]
+            remaining[slot] = seq.group.max_tokens - steps[slot] - extra
         src, dst = sched.compaction()
         if src:
             state.move_rows(src, dst)
@@ -370,6 +388,26 @@ class NativeBackend:
                 remaining[d] = remaining.pop(s)
         if self.decoder.prefix is not None:  # rows started, finished or moved: who shares what
             self.decoder.prefix.update(sched.running, self.block_size)
+
+    def _flags_then_step(self, rows: int, params: SamplingParams) -> tuple[list[bool], list[int]]:
+        """(done, steps) of rows [0, rows) as they are now, and one more decode step queued behind their
+        copy: on CUDA the host reads the copy (pinned memory, an event) while the GPU runs the step."""
+        state = self.state
+        if not self.on_cuda:
+            done, steps = state.done[:rows].tolist(), state.steps[:rows].tolist()
+            self._decode(rows, params, 1)
+            return done, steps
+        if self._flags_host is None or self._flags_host[0].numel() < state.max_slots:
+            self._flags_host = (torch.empty(state.max_slots, dtype=torch.bool, pin_memory=True),
+                                torch.empty(state.max_slots, dtype=torch.int64, pin_memory=True))  # fmt: skip
+        done_h, steps_h = self._flags_host
+        done_h[:rows].copy_(state.done[:rows], non_blocking=True)
+        steps_h[:rows].copy_(state.steps[:rows], non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._decode(rows, params, 1)
+        copied.synchronize()
+        return done_h[:rows].tolist(), steps_h[:rows].tolist()
 
     # ---- CUDA graph hooks ----------------------------------------------------------------------
 
