@@ -522,3 +522,62 @@ def test_prefill_picks_the_real_tokens_by_a_host_built_index():
     want = backend.generate(request)
     assert [o.response_ids for o in got] == [o.response_ids for o in want]
     assert [o.response_logprobs for o in got] == [o.response_logprobs for o in want]
+
+
+class _FreeListAllocator:
+    """The allocator as it was: a free list of every block id, lowest popped first, a count per id."""
+
+    def __init__(self, num_blocks):
+        self._free = list(range(num_blocks - 1, 0, -1))
+        self._refs = [0] * num_blocks
+
+    def allocate(self, count):
+        blocks = [self._free.pop() for _ in range(count)]
+        for b in blocks:
+            self._refs[b] = 1
+        return blocks
+
+    def share(self, blocks, extra_refs):
+        for b in blocks:
+            self._refs[b] += extra_refs
+
+    def release(self, blocks):
+        for b in blocks:
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_block_allocator_hands_out_the_ids_a_free_list_did(seed):
+    """The counter-and-returns allocator hands out the same ids in the same order as a free list of
+    every id, through random allocations, sharing and releases; it counts what is free and refuses a
+    block released more often than it was held."""
+    from hybridrl.rollout.native.kv_cache import BlockAllocator
+
+    rng = np.random.default_rng(seed)
+    num_blocks = int(rng.integers(2, 300))
+    new, old = BlockAllocator(num_blocks), _FreeListAllocator(num_blocks)
+    held: list[list[int]] = []  # one entry per reference
+    for _ in range(400):
+        if held and rng.random() < 0.45:
+            blocks = held.pop(int(rng.integers(len(held))))
+            new.release(blocks)
+            old.release(blocks)
+        elif new.num_free:
+            count = int(rng.integers(1, new.num_free + 1))
+            got = new.allocate(count)
+            assert got == old.allocate(count)
+            held.append(got)
+            if rng.random() < 0.3:
+                extra = int(rng.integers(1, 4))
+                new.share(got, extra)
+                old.share(got, extra)
+                held.extend([got] * extra)
+        assert new.num_free == len(old._free)
+        assert 0 not in new._refs and all(1 <= b < num_blocks for b in new._refs)
+    for blocks in held:
+        new.release(blocks)
+    assert new.num_free == num_blocks - 1
+    with pytest.raises(AssertionError, match="released twice"):
+        new.release([1])
