@@ -62,6 +62,34 @@ def test_fp32_greedy_matches_full_forward(arch, monkeypatch):
     assert _logprob_diffs(model, prompts, outs, 0.0).max() < 1e-3
 
 
+def test_checks_one_step_ahead_on_the_gpu_change_no_sample(monkeypatch):
+    """rollout.step_ahead on CUDA (pinned copies of the flags behind an event, one decode step queued
+    before the host reads them): with stop tokens ending rows between and at checks, few slots (prompts
+    admitted as rows finish) and CUDA graphs, the same tokens and finish reasons as with the checks in
+    step, and greedy tokens equal to a full forward's."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    model = _model(torch.float32)
+    prompts = _prompts()
+    first = NativeBackend(model).generate(GenerationRequest(prompts, n=1, max_tokens=[40] * 6, temperature=0.0))
+    stops = sorted({o.response_ids[k] for o in first for k in (3, 11, 20) if len(o.response_ids) > k})[:6]
+    calls = []
+    real = NativeBackend._flags_then_step
+    monkeypatch.setattr(NativeBackend, "_flags_then_step", lambda self, *a: calls.append(a) or real(self, *a))
+    req = GenerationRequest(prompts, n=2, max_tokens=[40, 33, 40, 27, 40, 38], temperature=0.0, stop_token_ids=stops)
+    ahead = NativeBackend(model, max_num_seqs=8, sync_every=4).generate(req)
+    assert calls, "the checks did not run ahead"
+    in_step = NativeBackend(model, max_num_seqs=8, sync_every=4, step_ahead=False).generate(req)
+    assert any(o.finish_reason == "stop" for o in ahead)
+    assert [(o.response_ids, o.finish_reason) for o in ahead] == [(o.response_ids, o.finish_reason) for o in in_step]
+    for o in ahead:
+        ids = list(prompts[o.prompt_index])
+        for tok in o.response_ids:
+            assert tok == int(model(torch.tensor([ids], device="cuda")).logits[0, -1].argmax())
+            ids.append(tok)
+        assert (o.response_ids[-1] in stops) == (o.finish_reason == "stop")
+    assert _logprob_diffs(model, prompts, ahead, 0.0).max() < 1e-3
+
+
 def test_bf16_sampled_logprobs_and_graphs_equal_eager():
     model = _model(torch.bfloat16, weight_scale=1.0)  # the default init, like the W0.5B benchmark
     prompts = _prompts()
