@@ -269,8 +269,24 @@ def timeline(events: list[dict], phase: str, min_idle_us: float = 200.0) -> list
     for t0, t1 in spans:
         during = [((e["ts"] - t0) / 1e3, e["dur"] / 1e3, e.get("args", {}).get("bytes"), e.get("args", {}).get("stream"), e["name"])
                   for e in copies if e["ts"] < t1 and e["ts"] + e["dur"] > t0]  # fmt: skip
-        idle = [((a - t0) / 1e3, (b - a) / 1e3) for a, b in idle_intervals(kernels, t0, t1) if b - a >= min_idle_us]
-        out.append({"wall_ms": (t1 - t0) / 1e3, "copies": during, "idle": idle})
+        gaps = idle_intervals(kernels, t0, t1)
+        idle = [((a - t0) / 1e3, (b - a) / 1e3) for a, b in gaps if b - a >= min_idle_us]
+        out.append({"wall_ms": (t1 - t0) / 1e3, "copies": during, "idle": idle, "idle_by_size": idle_by_size(gaps)})
+    return out
+
+
+IDLE_SIZES_US = (2.0, 10.0, 50.0, 200.0)  # upper edges of the size classes of `idle_by_size`; the last is open
+
+
+def idle_by_size(gaps: list[tuple[float, float]]) -> list[tuple[str, int, float]]:
+    """Stretches with no kernel running, by length: (class, count, total ms) for each class of IDLE_SIZES_US.
+    Many short ones are kernels following kernels (launch latency); a few long ones are the host's waits."""
+    edges = (0.0,) + IDLE_SIZES_US + (float("inf"),)
+    out = []
+    for lo, hi in zip(edges, edges[1:]):
+        sizes = [b - a for a, b in gaps if lo <= b - a < hi]
+        label = f">= {lo:g} us" if hi == float("inf") else f"{lo:g}-{hi:g} us"
+        out.append((label, len(sizes), sum(sizes) / 1e3))
     return out
 
 
@@ -324,6 +340,7 @@ def main(argv=None):
                 size = f"{nbytes / 2**20:9.1f}" if nbytes is not None else "        ?"
                 print(f"   {start:9.2f}  {ms:8.3f}  {size}  {stream!s:>6}  {name}")
             print("   no kernel running (start ms, ms): " + (", ".join(f"{a:.2f} +{d:.2f}" for a, d in t["idle"]) or "never"))
+            print("   no kernel running, by length: " + ", ".join(f"{label} {n}x {ms:.2f} ms" for label, n, ms in t["idle_by_size"]))
     return result
 
 

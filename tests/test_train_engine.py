@@ -184,12 +184,17 @@ def test_trace_summary_timeline_shows_the_copies_and_the_waits_of_a_phase(tmp_pa
     assert t["wall_ms"] == 3.0
     assert t["copies"] == [(-0.5, 1.5, 3 * 2**20, 7, "Memcpy HtoD (Pinned -> Device)"), (1.0, 0.1, None, 7, "Memcpy HtoD (Pinned -> Device)")]
     assert t["idle"] == [(0.1, pytest.approx(1.05))]  # 50 us at the start and at the end are below the threshold
+    # Every stretch, by length: the two 50 us ones and the 1.05 ms one.
+    assert [(label, n) for label, n, _ in t["idle_by_size"]] == [
+        ("0-2 us", 0), ("2-10 us", 0), ("10-50 us", 0), ("50-200 us", 2), (">= 200 us", 1)]
+    assert [ms for *_, ms in t["idle_by_size"]] == [0, 0, 0, pytest.approx(0.1), pytest.approx(1.05)]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     trace_summary.main([str(path), "--timeline", "phase/ref"])
     printed = capsys.readouterr().out
     assert "== phase/ref (span 0, wall 3.0 ms)" in printed
     assert "    -0.50     1.500        3.0       7  Memcpy HtoD" in printed and "no kernel running (start ms, ms): 0.10 +1.05" in printed
+    assert "no kernel running, by length: 0-2 us 0x 0.00 ms, 2-10 us 0x 0.00 ms, 10-50 us 0x 0.00 ms, 50-200 us 2x 0.10 ms, >= 200 us 1x 1.05 ms" in printed
 
 
 def test_host_threads_default_to_one_with_a_gpu_and_to_torchs_on_cpu():
