@@ -408,6 +408,28 @@ def test_engine_with_shared_prefix_attention_generates_the_same():
         torch.testing.assert_close(torch.tensor(a.response_logprobs), torch.tensor(b.response_logprobs), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("blocks", [(16, 32, 32, 32), (16, 16, 64, 16)])
+def test_bench_decode_mlp_is_the_four_kernel_mlp_in_one(dtype, blocks):
+    """bench/decode_mlp.py's fused kernel: down(silu(x @ gate.T) * (x @ up.T)) added into an fp32
+    output, rows not a multiple of the row block, several intermediate slices adding into one row."""
+    from conftest import bench_script
+
+    bench = bench_script("decode_mlp")
+    g = torch.Generator().manual_seed(2)
+    rows, hidden, inter = 20, 64, 96
+    x = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype)
+    gate_up = (0.1 * torch.randn(2 * inter, hidden, generator=g)).to(DEVICE, dtype)
+    down = (0.1 * torch.randn(hidden, inter, generator=g)).to(DEVICE, dtype)
+    gate, up = torch.nn.functional.linear(x, gate_up).split([inter, inter], -1)
+    ref = torch.nn.functional.linear(TorchOps().silu_mul(gate, up), down).float()
+    start = torch.randn(rows, hidden, generator=g).to(DEVICE)  # the kernel adds into what is there
+    bm, bi, bk, bn = blocks
+    out = bench.fused_mlp(x, gate_up, down, start.clone(), block_m=bm, block_i=bi, block_k=bk, block_n=bn, num_stages=2)
+    tol = dict(atol=1e-2, rtol=1e-2) if (dtype == torch.float32 and DEVICE == "cuda") else _tol(dtype)
+    torch.testing.assert_close(out - start, ref, **tol)
+
+
 @needs_runtime_loop_bounds
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("swiglu", [False, True])
