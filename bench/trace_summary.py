@@ -14,7 +14,9 @@ Python between calls, packing, waiting on a copy). With a trace recorded with Py
 idled, and `--launchers PHASE:REGEX` counts the phase's kernels whose name matches by the operator
 and frame that launched them. `--timeline PHASE` lists, in ms from the phase's start, the copies the
 GPU ran during it (whichever phase issued them: a prefetch issued earlier starts at a negative time)
-and the stretches with no kernel running: whether the phase's kernels waited while copies ran.
+and the stretches with no kernel running: whether the phase's kernels waited while copies ran; it also
+counts and sums every such stretch by length (0-2, 2-10, 10-50, 50-200, >= 200 us): many short ones are kernels
+following kernels, long ones the GPU waiting for its host.
 """
 
 from __future__ import annotations
@@ -303,7 +305,8 @@ def main(argv=None):
                     help="kernels of PHASE whose name matches REGEX, counted by the operator and Python frame that launched "
                          "them (e.g. 'phase/train:elementwise|Memset'; trace made with --stack)")
     ap.add_argument("--timeline", action="append", default=[], metavar="PHASE",
-                    help="the copies the GPU ran during PHASE and its stretches with no kernel running, in ms from its start")
+                    help="the copies the GPU ran during PHASE and its stretches with no kernel running, in ms from its start, "
+                         "and those stretches counted by length")
     args = ap.parse_args(argv)
     events = load(args.trace)
     result = summarise(events, args.top)
