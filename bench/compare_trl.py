@@ -16,6 +16,8 @@
                                                   # a torch._inductor.config option against the default, one call
     python bench/compare_trl.py --skip-trl --memory-snapshot 3:step3.pickle && python bench/memory_peak.py step3.pickle
                                                   # what was allocated at step 3's memory peak, and where (GPU)
+    python bench/compare_trl.py --skip-trl --host-delay-ms 3   # does the training phase grow when its host is slower?
+                                                  # (no: the GPU sets its pace; yes: the host does)
 
 Both systems run GRPO with a KL of 0.04 to a reference model, lr 1e-6, temperature 1.0 and one
 optimizer step per 256 responses (TRL: per_device_train_batch_size=16, gradient_accumulation_steps=16),
@@ -146,6 +148,7 @@ def physical_bound_s(w: Workload, num_params: int, weight_bytes: int) -> float:
 
 PROFILE_STACK = False  # --stack: record Python frames in the profiled step (for trace_summary.py --why)
 MEMORY_SNAPSHOT: tuple[int, str] | None = None  # --memory-snapshot STEP:FILE (a variant's half: FILE with .NAME before its suffix)
+HOST_DELAY_MS = 0.0  # --host-delay-ms: sleep before each training micro-batch (delay_each_micro_batch)
 
 
 def profile_step(trainer, step: int, top: int = 40, trace: str | None = None):
@@ -348,6 +351,8 @@ def run_hybridrl(w: Workload, model_dir: Path, prompts: list[str], steps: int, d
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer = TrainerEngine(actor=engine, reward_fn=reward_fn, algorithm="grpo", config=cfg)
+    if HOST_DELAY_MS:
+        delay_each_micro_batch(trainer, HOST_DELAY_MS)
     if profile:
         profile_step(trainer, profile, trace=trace)
     if MEMORY_SNAPSHOT is not None:
@@ -446,6 +451,20 @@ def run_trl(w: Workload, model_dir: Path, prompts: list[str], steps: int, device
     }
 
 
+def delay_each_micro_batch(trainer, ms: float) -> None:
+    """`--host-delay-ms`: the host sleeps `ms` before it issues each training micro-batch. A probe of who
+    sets the training phase's pace: if the phase grows by the sleeps, its host does; if it does not, the
+    host had that much slack (the GPU was still running work queued earlier)."""
+    policy = trainer.policy_trainer
+    loss = policy._loss
+
+    def delayed(micro, **kwargs):
+        time.sleep(ms / 1e3)
+        return loss(micro, **kwargs)
+
+    policy._loss = delayed  # PolicyTrainer.update passes self._loss to the update loop
+
+
 def run_half(system: str, w: Workload, model_dir: Path, prompts: list[str], steps: int, device: str,
              overrides: list[str] = (), profile: int = 0, trace: str | None = None, checkpointing: bool = True) -> dict:  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
@@ -486,6 +505,8 @@ def run_in_subprocess(system: str, args, model_dir: Path, overrides: list[str] =
             cmd += ["--trace", args.trace]
         if args.stack:
             cmd.append("--stack")
+    if system == "hybridrl" and args.host_delay_ms:
+        cmd += ["--host-delay-ms", str(args.host_delay_ms)]
     if system == "hybridrl" and args.memory_snapshot:
         cmd += ["--memory-snapshot", snapshot_for_variant(args.memory_snapshot, variant)]
     proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -628,12 +649,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--stack", action="store_true", help="with --profile: record Python frames too (slower; for trace_summary.py --why)")
     ap.add_argument("--memory-snapshot", default=None, metavar="STEP:FILE",
                     help="record the CUDA allocator during this hybridrl step and write its snapshot to FILE, a variant NAME's to FILE with .NAME before its suffix (GPU; bench/memory_peak.py reads them)")
+    ap.add_argument("--host-delay-ms", type=float, default=0.0, metavar="MS",
+                    help="hybridrl's host sleeps MS before issuing each training micro-batch: if its training phase "
+                         "does not grow by the sleeps, the phase is paced by its GPU, not its host")
     ap.add_argument("--worker", choices=["hybridrl", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", type=str, help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", type=str, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    global PROFILE_STACK, MEMORY_SNAPSHOT
+    global PROFILE_STACK, MEMORY_SNAPSHOT, HOST_DELAY_MS
     PROFILE_STACK = args.stack
+    HOST_DELAY_MS = args.host_delay_ms
     MEMORY_SNAPSHOT = parse_memory_snapshot(args.memory_snapshot)
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     w = workload("tiny" if args.tiny else args.size)

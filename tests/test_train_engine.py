@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -62,6 +63,22 @@ def test_compare_trl_tiny_runs_hybridrl_and_skips_a_missing_trl(tmp_path):
         assert "trl" in trl["skipped"]
     else:
         assert trl["step_time_s"] > 0 and result["speedup"] > 0
+
+
+def test_compare_trl_host_delay_sleeps_before_each_training_micro_batch(monkeypatch):
+    """--host-delay-ms: the probe sleeps before every micro-batch's loss, and the real update loop goes
+    through it (the host's issue time of the tiny run's training phase holds the sleeps)."""
+    compare_trl = bench_script("compare_trl")
+    calls, sleeps = [], []
+    policy = SimpleNamespace(_loss=lambda micro, **kw: calls.append((micro, kw)) or ("loss", {}))
+    compare_trl.delay_each_micro_batch(SimpleNamespace(policy_trainer=policy), 3.0)
+    with monkeypatch.context() as m:
+        m.setattr(compare_trl.time, "sleep", sleeps.append)
+        assert policy._loss("m1", num_tokens=5) == ("loss", {})
+        policy._loss("m2")
+    assert sleeps == [0.003, 0.003] and calls == [("m1", {"num_tokens": 5}), ("m2", {})]
+    result = compare_trl.main(["--tiny", "--steps", "2", "--skip-trl", "--host-delay-ms", "300"])
+    assert result["hybridrl"]["train_host_issue_s"] >= 0.3
 
 
 def test_compare_trl_table_sets_hybridrl_against_benchmark_md_too(capsys):
