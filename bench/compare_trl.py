@@ -573,6 +573,8 @@ def print_table(result: dict) -> None:
     title = f"W{w['size']}: {w['prompts']} prompts x {w['prompt_len']} tokens, n={w['n']}, {w['max_tokens']} new tokens, GRPO kl {w['beta']}, lr {w['lr']}"
     if result.get("gradient_checkpointing"):
         title += f", gradient checkpointing {result['gradient_checkpointing']}"
+    if result.get("host_delay_ms"):
+        title += f"; hybridrl's host slept {result['host_delay_ms']:g} ms before each training micro-batch (--host-delay-ms)"
     print(f"\n{title}\n")
     print("| system | step time | response tokens/s | peak allocated |")
     print("| --- | --- | --- | --- |")
@@ -698,6 +700,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["variants"] = {name: summarise(w, v, trl, bound) for name, v in extra.items()}
     for r in (result, *result["variants"].values()):
         r["gradient_checkpointing"] = args.gradient_checkpointing if device == "cuda" else None
+        r["host_delay_ms"] = args.host_delay_ms  # hybridrl's host slept this long before each training micro-batch
     result["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print_table(result)
     for name, v in result["variants"].items():

@@ -65,7 +65,7 @@ def test_compare_trl_tiny_runs_hybridrl_and_skips_a_missing_trl(tmp_path):
         assert trl["step_time_s"] > 0 and result["speedup"] > 0
 
 
-def test_compare_trl_host_delay_sleeps_before_each_training_micro_batch(monkeypatch):
+def test_compare_trl_host_delay_sleeps_before_each_training_micro_batch(monkeypatch, capsys):
     """--host-delay-ms: the probe sleeps before every micro-batch's loss, and the real update loop goes
     through it (the host's issue time of the tiny run's training phase holds the sleeps)."""
     compare_trl = bench_script("compare_trl")
@@ -79,6 +79,8 @@ def test_compare_trl_host_delay_sleeps_before_each_training_micro_batch(monkeypa
     assert sleeps == [0.003, 0.003] and calls == [("m1", {"num_tokens": 5}), ("m2", {})]
     result = compare_trl.main(["--tiny", "--steps", "2", "--skip-trl", "--host-delay-ms", "300"])
     assert result["hybridrl"]["train_host_issue_s"] >= 0.3
+    assert result["host_delay_ms"] == 300  # and the table says so, so its figures are not taken for the plain run's
+    assert "hybridrl's host slept 300 ms before each training micro-batch" in capsys.readouterr().out
 
 
 def test_compare_trl_table_sets_hybridrl_against_benchmark_md_too(capsys):
