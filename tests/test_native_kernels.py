@@ -409,6 +409,51 @@ def test_engine_with_shared_prefix_attention_generates_the_same():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("form", ["barrier", "dataflow"])
+@pytest.mark.parametrize("split, tma", [(1, False), (2, False), (4, False), (2, True)])
+def test_bench_decode_persistent_runs_the_layer_chain_in_one_launch(dtype, form, split, tma):
+    """bench/decode_persistent.py's kernels: every layer's q|k|v, o_proj, gate|up + SiLU * up and down
+    in one launch, with grid barriers between the phases or (dataflow) each tile waiting for the row
+    block it reads, down's K split with the partials summed by the last split to finish a tile;
+    against the same chain of separate products. Under the interpreter the grid is one program (its
+    programs run one after another, so a wait on another program would never end); on a GPU one
+    program per SM, most of them with no tile."""
+    from conftest import bench_script
+
+    bench = bench_script("decode_persistent")
+    g = torch.Generator().manual_seed(3)
+    layers, rows, hidden, qkv, inter = 2, 32, 64, 128, 128
+
+    def weight(n, k, gain=1.0):
+        return (torch.randn(layers, n, k, generator=g) * (gain / k**0.5)).to(DEVICE, dtype)
+
+    wqkv, wo, wgu, wd = weight(qkv, hidden), weight(hidden, hidden), weight(2 * inter, hidden), weight(hidden, inter, 1.7)
+    x = torch.randn(rows, hidden, generator=g).to(DEVICE, dtype)
+    ref = x
+    for i in range(layers):
+        o = torch.nn.functional.linear(torch.nn.functional.linear(ref, wqkv[i])[:, :hidden], wo[i])
+        gate, up = torch.nn.functional.linear(o, wgu[i]).split([inter, inter], -1)
+        ref = torch.nn.functional.linear(TorchOps().silu_mul(gate, up), wd[i])
+    blocks = dict(bm_qkv=16, bn_qkv=32, bm_o=16, bn_o=16, bm_gu=16, bn_gu=16, bm_d=16, bn_d=16, bk=16)
+    kernel = bench.Persistent(rows, hidden, qkv, inter, layers, wqkv, wo, wgu, wd, **blocks, split=split, tma=tma,
+                              form=form, num_stages=2, nprog=1 if DEVICE == "cpu" else None)  # fmt: skip
+    y = x.clone()
+    kernel.run(y)
+    assert not kernel.failed()
+    c = kernel.counters.cpu()
+    if split > 1:  # every tile of every layer's down product heard from all its splits
+        assert (c[2 : kernel.ready_at] == split).all()
+    if form == "barrier":
+        assert c[0].item() == 4 * layers * kernel.nprog  # every program passed every barrier
+    else:  # every row block of every layer counted all the tiles it waited for
+        ready = c[kernel.ready_at :].view(layers, rows // 16, 3 + split)
+        expect = [hidden // 16, qkv // 32, hidden // 16] + [inter // split // 16] * split
+        assert (ready == torch.tensor(expect, dtype=ready.dtype)).all(), ready
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(y.float(), ref.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("blocks", [(16, 32, 32, 32), (16, 16, 64, 16)])
 def test_bench_decode_mlp_is_the_four_kernel_mlp_in_one(dtype, blocks):
     """bench/decode_mlp.py's fused kernel: down(silu(x @ gate.T) * (x @ up.T)) added into an fp32
