@@ -1,7 +1,7 @@
 """The decode step's products as one persistent kernel over every layer, against the engine's kernels.
 
-    python bench/decode_persistent.py [--size 0.5B] [--configs all|NAME,...] [--prefetch off,on]
-                                      [--tma off,on] [--phases]
+    python bench/decode_persistent.py [--size 0.5B] [--configs all|NAME,...] [--form barrier,dataflow]
+                                      [--prefetch off,on] [--tma off,on] [--phases]
 
 The decode step is bound by its kernels' fixed costs (rollout/native/NOTES.md, sessions 19-38): ~9
 launches a layer, each paying a launch, a pipeline fill and one wave's tail, ~37 of a W0.5B layer's
@@ -20,8 +20,12 @@ rotary, attention):
   the tiles, warps, pipeline stages and programs per SM. With --prefetch on, a program asks L2 for
   the weight rows of its next phase's first tile before it waits at the barrier; with --tma on, the
   products read their operands through TMA descriptors instead of pointers.
-- `barriers only`: the same launch with every phase's work skipped: what the barriers alone cost.
-  `--phases` times the best configuration with one phase at a time (all barriers kept).
+- `dataflow` (`--form dataflow`): the same tiles with no grid barrier. Every tile of every layer is an
+  item of one list in dependency order, dealt round-robin to the programs; an item waits only for the
+  row block it reads (per-row-block counters), so row blocks move through the layers on their own and
+  one phase's last tiles overlap the next phase's first.
+- `barriers only`: the barrier form's launch with every phase's work skipped: what its barriers cost.
+  `--phases` times the best barrier configuration with one phase at a time (all barriers kept).
 
 The chain stands in for a layer's data flow (the attention output is replaced by q's columns of
 q|k|v, the norms and the residual are left out): products of the real shapes, each on the previous
@@ -35,10 +39,11 @@ programs per SM are capped in registers to fit. A barrier gives up after ~2^22 p
 flag (checked after each run), so a launch that breaks this fails in seconds instead of hanging.
 
 Measured on one H200 (rollout/native/NOTES.md, session 39): 4 barriers a layer cost 4.5-5.6 us; the
-best configuration (64 x 64 tiles, down split 4, 2 programs per SM, 5 stages) took 40.21 us a layer
-against 32.46 us for the engine's kernels at W0.5B, 91.97 against 54.90 us at W1.5B (with TMA). The
-small products gain (q|k|v ~3.0, o_proj ~2.8 us a layer against ~5 us each as launches), gate|up
-and down lose more (~15.9 and ~10.9 us against ~12.3 and ~9.7). Not used.
+best configuration (64 x 64 tiles, down split 4, 2 programs per SM, 5 stages) took 39.77-40.21 us a
+layer in the barrier form and 35.28-35.47 us in the dataflow form, against 32.24-32.46 us for the
+engine's kernels at W0.5B (W1.5B: 87.36 dataflow, 90.00 barrier, against 55.08 us). The small products
+gain (q|k|v ~3.1, o_proj ~2.9 us a layer against ~5 us each as launches), gate|up and down lose more
+(~15.9 and ~10.9 us against ~12.3 and ~9.7): Triton's main loops, not the barriers. Not used.
 """
 
 from __future__ import annotations
@@ -460,7 +465,7 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--configs", default="all", help="comma-separated names of CONFIGS, or all")
     ap.add_argument("--prefetch", default="off,on", help="off, on or off,on")
-    ap.add_argument("--form", default="barrier", help="barrier, dataflow or barrier,dataflow (Persistent's form)")
+    ap.add_argument("--form", default="barrier", help="barrier, dataflow or barrier,dataflow")
     ap.add_argument("--tma", default="off", help="off, on or off,on: the products read through TMA descriptors")
     ap.add_argument("--phases", action="store_true", help="also time the best configuration with one phase at a time")
     ap.add_argument("--reps", type=int, default=20)
