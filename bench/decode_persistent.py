@@ -61,26 +61,38 @@ from decode_gemm import SHAPES  # bench/ is on the path when a bench script runs
 from hybridrl.kernels.cublaslt import time_graph_us
 from hybridrl.rollout.native.triton_kernels import silu_mul
 
+
 @triton.jit
-def _grid_sync(bar_ptr, err_ptr, target, FENCE: tl.constexpr):
-    """Waits until `target` arrivals have been counted at bar_ptr (this program's included).
-    Every thread's stores are done before the arrival (CTA barrier, then a gpu-scope release);
-    the gpu-scope acquire orders the loads after it. After ~2^22 polls it gives up and sets the
-    error flag, and once the flag is set no barrier waits: a launch whose programs are not all
-    resident ends in seconds, wrong, instead of hanging the GPU."""
-    tl.debug_barrier()
-    tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-    seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+def _wait_count(ptr, need, err_ptr, FENCE: tl.constexpr):
+    """Waits until the counter at ptr reaches `need`; the gpu-scope acquire orders the loads after it.
+    After ~2^22 polls it gives up and sets the error flag, and once the flag is set nothing waits: a
+    launch whose programs are not all resident ends in seconds, wrong, instead of hanging the GPU."""
+    seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
     polls = tl.load(err_ptr, volatile=True) * 4194304
-    while (seen < target) & (polls < 4194304):
-        seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    while (seen < need) & (polls < 4194304):
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
         polls += 1
-    if seen < target:
+    if seen < need:
         tl.store(err_ptr, 1)
-    if FENCE:  # the next phase reads through the async proxy what other programs stored through the generic one
-        tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r,r", [target], dtype=tl.int32,
+    if FENCE:  # what is read next through the async proxy (TMA) was stored by others through the generic one
+        tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r,r", [need], dtype=tl.int32,
                                   is_pure=False, pack=1)  # fmt: skip
     tl.debug_barrier()
+
+
+@triton.jit
+def _signal(ptr):
+    """Counts one arrival at ptr (a finished tile, or a program at a barrier), after every thread's stores
+    (CTA barrier, then a gpu-scope release)."""
+    tl.debug_barrier()
+    tl.atomic_add(ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _grid_sync(bar_ptr, err_ptr, target, FENCE: tl.constexpr):
+    """Waits until `target` arrivals have been counted at bar_ptr, this program's included."""
+    _signal(bar_ptr)
+    _wait_count(bar_ptr, target, err_ptr, FENCE)
 
 
 @triton.jit
@@ -259,29 +271,6 @@ def _persistent_layers_kernel(
                 if pid < (M // BM_QKV) * (QKV // BN_QKV):
                     _prefetch_rows(wqkv + QKV * H, (pid // (M // BM_QKV)) * BN_QKV, H, BN_QKV, LINES)
         _grid_sync(bar_ptr, err_ptr, base + 4 * NPROG, FENCE)
-
-
-@triton.jit
-def _wait_count(ptr, need, err_ptr, FENCE: tl.constexpr):
-    """Waits until the counter at ptr reaches `need` (gpu-scope acquire; bounded as _grid_sync is)."""
-    seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-    polls = tl.load(err_ptr, volatile=True) * 4194304
-    while (seen < need) & (polls < 4194304):
-        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-        polls += 1
-    if seen < need:
-        tl.store(err_ptr, 1)
-    if FENCE:
-        tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r,r", [need], dtype=tl.int32,
-                                  is_pure=False, pack=1)  # fmt: skip
-    tl.debug_barrier()
-
-
-@triton.jit
-def _signal(ptr):
-    """Counts one finished tile at ptr, after every thread's stores (CTA barrier, gpu-scope release)."""
-    tl.debug_barrier()
-    tl.atomic_add(ptr, 1, sem="release", scope="gpu")
 
 
 @triton.jit
