@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,8 @@ import triton.language as tl
 
 from decode_gemm import SHAPES  # bench/ is on the path when a bench script runs
 from hybridrl.kernels.cublaslt import time_graph_us
+from hybridrl.rollout.native.triton_attention import _rope_attend_row, rope_paged_decode_attention
+from hybridrl.rollout.native.triton_kernels import _rms_rope_heads, _rope_at, _rope_write_kv
 from hybridrl.rollout.native.triton_kernels import silu_mul
 
 
@@ -131,6 +134,30 @@ def _dot_tile(a_src, LDA: tl.constexpr, w_src, K0, KLEN: tl.constexpr, LDW: tl.c
 
 
 @triton.jit
+def _dot_tile_pair(a_src, LDA: tl.constexpr, w_src, K: tl.constexpr, off_m, row_1, row_2, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    """The fp32 [BM, BN] tiles of A[off_m:, :K] @ W[row_1:, :K]^T and of A[off_m:, :K] @ W[row_2:, :K]^T in one
+    K loop: each A tile is read once for both, and the pipeline fills once."""
+    acc_1 = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_2 = tl.zeros((BM, BN), dtype=tl.float32)
+    if TMA:
+        for k in range(0, K, BK):
+            a = a_src.load([off_m, k])
+            acc_1 = tl.dot(a, tl.trans(w_src.load([row_1, k])), acc_1)
+            acc_2 = tl.dot(a, tl.trans(w_src.load([row_2, k])), acc_2)
+    else:
+        rk = tl.arange(0, BK)
+        a_rows = a_src + (off_m + tl.arange(0, BM)).to(tl.int64)[:, None] * LDA
+        w_rows_1 = w_src + (row_1 + tl.arange(0, BN)).to(tl.int64)[:, None] * K
+        w_rows_2 = w_src + (row_2 + tl.arange(0, BN)).to(tl.int64)[:, None] * K
+        for k in range(0, K, BK):
+            a = tl.load(a_rows + (k + rk)[None, :], cache_modifier=".cg")
+            acc_1 = tl.dot(a, tl.trans(tl.load(w_rows_1 + (k + rk)[None, :])), acc_1)
+            acc_2 = tl.dot(a, tl.trans(tl.load(w_rows_2 + (k + rk)[None, :])), acc_2)
+    return acc_1, acc_2
+
+
+@triton.jit
 def _product_tile(a_src, LDA: tl.constexpr, K: tl.constexpr, w_src, w_row0, N: tl.constexpr, out_ptr, off_m, off_n,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
     """out[off_m:, off_n:] tile of a[M, :K] @ w[w_row0:w_row0 + N, K]^T in bf16 (a's rows LDA apart)."""
@@ -155,12 +182,15 @@ def _product_phase(a_src, LDA: tl.constexpr, K: tl.constexpr, w_src, w_row0, N: 
 
 @triton.jit
 def _gate_up_tile(a_src, H: tl.constexpr, w_src, w_row0, I: tl.constexpr, out_ptr, off_m, off_n, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+                  BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, PAIR: tl.constexpr):  # fmt: skip
     """out[off_m:, off_n:] tile of silu(a @ gate^T) * (a @ up^T), gate and up the two row halves of
-    w[w_row0:w_row0 + 2I, H]."""
+    w[w_row0:w_row0 + 2I, H]; PAIR: both products in one K loop (_dot_tile_pair), else one after the other."""
     dtype = out_ptr.dtype.element_ty
-    g = _dot_tile(a_src, H, w_src, 0, H, H, off_m, w_row0 + off_n, BM, BN, BK, TMA)
-    u = _dot_tile(a_src, H, w_src, 0, H, H, off_m, w_row0 + off_n + I, BM, BN, BK, TMA)
+    if PAIR:
+        g, u = _dot_tile_pair(a_src, H, w_src, H, off_m, w_row0 + off_n, w_row0 + off_n + I, BM, BN, BK, TMA)
+    else:
+        g = _dot_tile(a_src, H, w_src, 0, H, H, off_m, w_row0 + off_n, BM, BN, BK, TMA)
+        u = _dot_tile(a_src, H, w_src, 0, H, H, off_m, w_row0 + off_n + I, BM, BN, BK, TMA)
     # As the engine rounds: gate and up to the model dtype (the product's output), silu(gate) to it, the product.
     g = g.to(dtype).to(tl.float32)
     u = u.to(dtype).to(tl.float32)
@@ -172,14 +202,15 @@ def _gate_up_tile(a_src, H: tl.constexpr, w_src, w_row0, I: tl.constexpr, out_pt
 
 @triton.jit
 def _gate_up_phase(a_src, H: tl.constexpr, w_src, w_row0, I: tl.constexpr, out_ptr, pid, M: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NPROG: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NPROG: tl.constexpr, TMA: tl.constexpr,
+                   PAIR: tl.constexpr):  # fmt: skip
     """out[M, I] = silu(a @ gate^T) * (a @ up^T), tiles spread over the programs."""
     TM: tl.constexpr = M // BM
     TILES: tl.constexpr = TM * (I // BN)
     for t0 in range(0, TILES, NPROG):
         t = t0 + pid
         if t < TILES:
-            _gate_up_tile(a_src, H, w_src, w_row0, I, out_ptr, (t % TM) * BM, (t // TM) * BN, BM, BN, BK, TMA)
+            _gate_up_tile(a_src, H, w_src, w_row0, I, out_ptr, (t % TM) * BM, (t // TM) * BN, BM, BN, BK, TMA, PAIR)
 
 
 @triton.jit
@@ -236,7 +267,7 @@ def _persistent_layers_kernel(
     BM_QKV: tl.constexpr, BN_QKV: tl.constexpr, BM_O: tl.constexpr, BN_O: tl.constexpr,
     BM_GU: tl.constexpr, BN_GU: tl.constexpr, BM_D: tl.constexpr, BN_D: tl.constexpr, SPLIT: tl.constexpr,
     BK: tl.constexpr, NPROG: tl.constexpr, PHASES: tl.constexpr, PREFETCH: tl.constexpr, LINES: tl.constexpr,
-    TMA: tl.constexpr, FENCE: tl.constexpr,
+    TMA: tl.constexpr, FENCE: tl.constexpr, PAIR: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     D_TILES: tl.constexpr = (M // BM_D) * (H // BN_D)
@@ -261,7 +292,7 @@ def _persistent_layers_kernel(
                 _prefetch_rows(wgu, row + I, H, BN_GU, LINES)
         _grid_sync(bar_ptr, err_ptr, base + 2 * NPROG, FENCE)
         if PHASES & 4:  # act = silu(o @ gate^T) * (o @ up^T)
-            _gate_up_phase(o_ld, H, wgu_ld, layer * (2 * I), I, act_ptr, pid, M, BM_GU, BN_GU, BK, NPROG, TMA)
+            _gate_up_phase(o_ld, H, wgu_ld, layer * (2 * I), I, act_ptr, pid, M, BM_GU, BN_GU, BK, NPROG, TMA, PAIR)
         _grid_sync(bar_ptr, err_ptr, base + 3 * NPROG, FENCE)
         if PHASES & 8:  # y = act @ Wd^T
             _down_phase(act_ld, I, wd_ld, layer * H, H, y_ptr, part_ptr, cnt_ptr + layer * D_TILES, pid, M, BM_D, BN_D, BK,
@@ -274,21 +305,123 @@ def _persistent_layers_kernel(
 
 
 @triton.jit
+def _attend_tile_heads(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, row, ctx, start, m_i, l_i, acc, scale_log2,
+                       HKV: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
+                       IEEE: tl.constexpr):  # fmt: skip
+    """One online-softmax update of every KV head's queries (q [HKV * GROUP_P, D], state [HKV * GROUP_P] /
+    [HKV * GROUP_P, D]) with the TILE cached tokens of `row` from `start` (those at or past ctx masked):
+    the keys of all heads as one [HKV * TILE, D] operand, each query's scores against other heads' keys
+    masked out (products of 2D operands; the wasted half costs less than a batched product's layouts)."""
+    tok = start + tl.arange(0, TILE)
+    t_mask = tok < ctx
+    block = tl.load(bt_ptr + row * bt_stride + tok // BS, mask=t_mask, other=0).to(tl.int64)
+    kv = tl.arange(0, HKV)
+    slot = tl.reshape((block * (HKV * BS) + tok % BS)[None, :] + (kv * BS)[:, None], (HKV * TILE,))  # (head, token)
+    key_ok = tl.reshape(t_mask[None, :] & (kv[:, None] >= 0), (HKV * TILE,))
+    off = slot[:, None] * D + tl.arange(0, D)[None, :]
+    k = tl.load(kc_ptr + off, mask=key_ok[:, None], other=0.0)
+    if IEEE:
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k))
+    same = (tl.arange(0, HKV * GROUP_P) // GROUP_P)[:, None] == (tl.arange(0, HKV * TILE) // TILE)[None, :]
+    sc = tl.where(same & key_ok[None, :], sc * scale_log2, float("-inf"))  # [HKV * GROUP_P, HKV * TILE], log2 units
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))  # (finite: the state starts from the new token)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(vc_ptr + off, mask=key_ok[:, None], other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _rope_attend_row_heads(
+    qkv_ptr, QKV: tl.constexpr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, bt_ptr, bt_stride, out_ptr, scale_log2, row,
+    MAX_CTX: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, GROUP_P: tl.constexpr,
+    D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """_rope_attend_row's work for every KV head of `row` in one program (HKV a power of two, no q/k norms):
+    the queries [HKV, GROUP_P, D] (each KV head's group of query heads, padded), every head's new key and
+    value written to the cache and attended from registers first, then the cached tokens a tile at a time
+    with one batched product per tile for all heads. One block-table read and one chain of tiles serve
+    every head, each tile's loads HKV times as wide: the same arithmetic (and rounding) as the engine's
+    kernel, with HKV heads' loads in flight per step of the chain instead of one."""
+    HALF: tl.constexpr = D // 2
+    GROUP: tl.constexpr = HQ // HKV
+    dtype = out_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + row)
+    hd, hd_mask, c, s = _rope_at(cos_ptr, sin_ptr, pos, HALF, HALF)
+    kv = tl.arange(0, HKV)
+    g = tl.arange(0, GROUP_P)
+    head = tl.reshape(kv[:, None] * GROUP + g[None, :], (HKV * GROUP_P,))
+    valid = tl.reshape((g[None, :] < GROUP) & (kv[:, None] >= 0), (HKV * GROUP_P,))
+    q_off = head[:, None] * D + hd[None, :]
+    q_mask = valid[:, None] & hd_mask[None, :]
+    q_row = qkv_ptr + row * QKV
+    q1 = tl.load(q_row + q_off, mask=q_mask, other=0.0).to(tl.float32)
+    q2 = tl.load(q_row + q_off + HALF, mask=q_mask, other=0.0).to(tl.float32)
+    o1, o2 = _rms_rope_heads(q1, q2, qkv_ptr, c, s, hd, hd_mask, 1e-6, D, HALF, False, dtype)  # [HKV * GROUP_P, HALF]
+    nk1, nk2, nv1, nv2 = _rope_write_kv(  # every KV head's new key and value: [HKV, HALF] each
+        qkv_ptr + HQ * D, qkv_ptr + (HQ + HKV) * D, QKV, QKV, qkv_ptr, 1e-6, row, pos, kv[:, None],
+        (kv[:, None] >= 0) & hd_mask[None, :], c, s, hd, hd_mask, kc_ptr, vc_ptr, bt_ptr, bt_stride, HKV, D, HALF, BS,
+        False, dtype,
+    )  # fmt: skip
+    # the softmax state starts from the new token: its score in fp32, its weight 1 scaling its value
+    QP: tl.constexpr = HKV * GROUP_P
+    m_i = tl.reshape(tl.sum(tl.reshape(o1.to(tl.float32), (HKV, GROUP_P, HALF)) * nk1.to(tl.float32)[:, None, :], axis=2)
+                     + tl.sum(tl.reshape(o2.to(tl.float32), (HKV, GROUP_P, HALF)) * nk2.to(tl.float32)[:, None, :], axis=2),
+                     (QP,)) * scale_log2  # fmt: skip
+    l_i = tl.full([QP], 1.0, tl.float32)
+    new_v = tl.reshape(tl.permute(tl.join(nv1.to(tl.float32), nv2.to(tl.float32)), (0, 2, 1)), (HKV, D))
+    acc = tl.reshape(tl.broadcast_to(new_v[:, None, :], (HKV, GROUP_P, D)), (QP, D))
+    q = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (QP, D))  # [q1 | q2] per head
+    if DYNAMIC_LOOP:
+        for start in range(0, pos, TILE):
+            m_i, l_i, acc = _attend_tile_heads(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, row, pos, start, m_i, l_i, acc,
+                                               scale_log2, HKV, GROUP_P, D, BS, TILE, IEEE)  # fmt: skip
+    else:  # (the interpreter: a constant bound, tiles past the context fully masked)
+        for start in tl.static_range(0, MAX_CTX, TILE):
+            m_i, l_i, acc = _attend_tile_heads(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, row, pos, start, m_i, l_i, acc,
+                                               scale_log2, HKV, GROUP_P, D, BS, TILE, IEEE)  # fmt: skip
+    out = acc / l_i[:, None]
+    o_off = head[:, None] * D + tl.arange(0, D)[None, :]
+    tl.store(out_ptr + row * (HQ * D) + o_off, out.to(dtype), mask=valid[:, None])
+
+
+@triton.jit
 def _dataflow_layers_kernel(
     y_ptr, qkv_ptr, o_ptr, act_ptr, part_ptr, tile_cnt_ptr, ready_ptr, err_ptr,
-    y_ld, qkv_ld, o_ld, act_ld, wqkv_ld, wo_ld, wgu_ld, wd_ld,
+    y_ld, qkv_ld, o_ld, act_ld, wqkv_ld, wo_ld, wgu_ld, wd_ld, attn_ld,
+    attn_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, bt_ptr, bt_stride, scale_log2, cache_stride,
     L: tl.constexpr, M: tl.constexpr, H: tl.constexpr, QKV: tl.constexpr, I: tl.constexpr, BM: tl.constexpr,
     BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_D: tl.constexpr, SPLIT: tl.constexpr,
-    BK: tl.constexpr, NPROG: tl.constexpr, TMA: tl.constexpr, FENCE: tl.constexpr,
+    BK: tl.constexpr, NPROG: tl.constexpr, TMA: tl.constexpr, FENCE: tl.constexpr, PAIR: tl.constexpr,
+    ATTN: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr,
+    HALF_P: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, MAX_CTX: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
+    IEEE: tl.constexpr, ROW_MAJOR: tl.constexpr, ATTN_ROWS: tl.constexpr,
 ):  # fmt: skip
-    """The same chain with no grid barrier: every tile of every layer is one item of a list in
-    dependency order (layer, then phase, then row block), dealt round-robin to the programs, and an
+    """The same chain with no grid barrier: every item of every layer is one entry of a list in
+    dependency order (layer, then phase, then row block; ROW_MAJOR: layer, then row block, then phase,
+    so that one row block's attention runs beside the next one's products), dealt round-robin to the programs, and an
     item waits only for the row block it reads: q|k|v for the last layer's down tiles of its rows, o_proj
     for its rows' q|k|v tiles, gate|up for its rows' o_proj tiles, a down split for the gate|up tiles of
     its K range. Row blocks move through the layers on their own, and one phase's last tiles overlap the
-    next phase's first. ready_ptr holds per layer and row block: down tiles stored, q|k|v tiles, o_proj
-    tiles, then gate|up tiles per down split. Each program takes its items in list order, and an item
-    depends only on earlier ones, so the earliest unfinished item can always run: no deadlock."""
+    next phase's first.
+
+    ATTN: between q|k|v and o_proj, the engine's rotary + KV write + paged attention
+    (triton_attention._rope_attend_row) as items of one (row, KV head) each, or (ATTN_ROWS) of one row
+    with all its KV heads (_rope_attend_row_heads), waiting for their row block's q|k|v tiles, over this layer's slice of the paged cache (cache_stride elements a layer);
+    o_proj then reads their output and waits for all of its row block's. Without ATTN, q's columns of
+    q|k|v stand in for the attention output.
+
+    ready_ptr holds per layer and row block: down tiles stored, q|k|v tiles, o_proj tiles, (ATTN)
+    attention items, then gate|up tiles per down split. Each program takes its items in list order,
+    and an item depends only on earlier ones, so the earliest unfinished item can always run: no
+    deadlock."""
     pid = tl.program_id(0)
     TM: tl.constexpr = M // BM
     TN_Q: tl.constexpr = QKV // BN_QKV
@@ -296,17 +429,33 @@ def _dataflow_layers_kernel(
     TN_G: tl.constexpr = I // BN_GU
     TN_D: tl.constexpr = H // BN_D
     NQ: tl.constexpr = TM * TN_Q
+    NA: tl.constexpr = (M if ATTN_ROWS else M * HKV) if ATTN else 0
     NO: tl.constexpr = TM * TN_O
     NG: tl.constexpr = TM * TN_G
     ND: tl.constexpr = TM * TN_D * SPLIT
-    PER: tl.constexpr = NQ + NO + NG + ND
-    NR: tl.constexpr = 3 + SPLIT
+    PER: tl.constexpr = NQ + NA + NO + NG + ND
+    A: tl.constexpr = 4 if ATTN else 3  # the first gate|up counter of a row block
+    NR: tl.constexpr = A + SPLIT
     KLEN: tl.constexpr = I // SPLIT
+    GROUP: tl.constexpr = HQ // HKV
     for it0 in range(0, L * PER, NPROG):
         it = it0 + pid
         if it < L * PER:
             layer = it // PER
             r = it % PER
+            if ROW_MAJOR:  # the list is (layer, row block, phase): r becomes the phase-major index of the same item
+                rb = r // (PER // TM)
+                q = r % (PER // TM)
+                if q < TN_Q:
+                    r = rb * TN_Q + q
+                elif q < TN_Q + NA // TM:
+                    r = NQ + rb * (NA // TM) + q - TN_Q
+                elif q < TN_Q + NA // TM + TN_O:
+                    r = NQ + NA + rb * TN_O + q - TN_Q - NA // TM
+                elif q < TN_Q + NA // TM + TN_O + TN_G:
+                    r = NQ + NA + NO + rb * TN_G + q - TN_Q - NA // TM - TN_O
+                else:
+                    r = NQ + NA + NO + NG + rb * (TN_D * SPLIT) + q - TN_Q - NA // TM - TN_O - TN_G
             ready = ready_ptr + layer * (TM * NR)
             if r < NQ:  # q|k|v = y @ Wqkv^T
                 tm = r // TN_Q
@@ -315,29 +464,91 @@ def _dataflow_layers_kernel(
                 _product_tile(y_ld, H, H, wqkv_ld, layer * QKV, QKV, qkv_ptr, tm * BM, (r % TN_Q) * BN_QKV, BM, BN_QKV,
                               BK, TMA)  # fmt: skip
                 _signal(ready + tm * NR + 1)
-            elif r < NQ + NO:  # o = q @ Wo^T
-                r = r - NQ
+            elif r < NQ + NA:  # attn[row, kvh's query heads] = attention of row's rotated queries over its context
+                if ATTN:  # (compiled only with ATTN: NA is 0 without)
+                    r = r - NQ
+                    cache = layer.to(tl.int64) * cache_stride
+                    if ATTN_ROWS:  # every KV head of row r
+                        tm = r // BM
+                        _wait_count(ready + tm * NR + 1, TN_Q, err_ptr, False)
+                        _rope_attend_row_heads(
+                            qkv_ptr, QKV, pos_ptr, cos_ptr, sin_ptr, kc_ptr + cache, vc_ptr + cache, bt_ptr, bt_stride,
+                            attn_ptr, scale_log2, r.to(tl.int64), MAX_CTX, DYNAMIC_LOOP, HQ, HKV, GROUP_P, D, BS, TILE,
+                            IEEE,
+                        )  # fmt: skip
+                    else:  # one (row, KV head), as the engine's kernel's programs
+                        row = r // HKV
+                        tm = row // BM
+                        _wait_count(ready + tm * NR + 1, TN_Q, err_ptr, False)
+                        _rope_attend_row(
+                            qkv_ptr, qkv_ptr + HQ * D, qkv_ptr + (HQ + HKV) * D, QKV, QKV, QKV, pos_ptr, cos_ptr,
+                            sin_ptr, qkv_ptr, qkv_ptr, 1e-6, kc_ptr + cache, vc_ptr + cache, bt_ptr, bt_stride, attn_ptr,
+                            scale_log2, row.to(tl.int64), r % HKV, MAX_CTX, DYNAMIC_LOOP, HQ, HKV, GROUP, GROUP_P, D,
+                            D // 2, HALF_P, BS, TILE, IEEE, False, True, True,
+                        )  # fmt: skip
+                    _signal(ready + tm * NR + 3)
+            elif r < NQ + NA + NO:  # o = attn @ Wo^T (or q @ Wo^T)
+                r = r - NQ - NA
                 tm = r // TN_O
-                _wait_count(ready + tm * NR + 1, TN_Q, err_ptr, FENCE)
-                _product_tile(qkv_ld, QKV, H, wo_ld, layer * H, H, o_ptr, tm * BM, (r % TN_O) * BN_O, BM, BN_O, BK, TMA)
+                if ATTN:
+                    _wait_count(ready + tm * NR + 3, NA // TM, err_ptr, FENCE)
+                    _product_tile(attn_ld, H, H, wo_ld, layer * H, H, o_ptr, tm * BM, (r % TN_O) * BN_O, BM, BN_O, BK,
+                                  TMA)  # fmt: skip
+                else:
+                    _wait_count(ready + tm * NR + 1, TN_Q, err_ptr, FENCE)
+                    _product_tile(qkv_ld, QKV, H, wo_ld, layer * H, H, o_ptr, tm * BM, (r % TN_O) * BN_O, BM, BN_O, BK,
+                                  TMA)  # fmt: skip
                 _signal(ready + tm * NR + 2)
-            elif r < NQ + NO + NG:  # act = silu(o @ gate^T) * (o @ up^T)
-                r = r - NQ - NO
+            elif r < NQ + NA + NO + NG:  # act = silu(o @ gate^T) * (o @ up^T)
+                r = r - NQ - NA - NO
                 tm = r // TN_G
                 off_n = (r % TN_G) * BN_GU
                 _wait_count(ready + tm * NR + 2, TN_O, err_ptr, FENCE)
-                _gate_up_tile(o_ld, H, wgu_ld, layer * (2 * I), I, act_ptr, tm * BM, off_n, BM, BN_GU, BK, TMA)
-                _signal(ready + tm * NR + 3 + off_n // KLEN)
+                _gate_up_tile(o_ld, H, wgu_ld, layer * (2 * I), I, act_ptr, tm * BM, off_n, BM, BN_GU, BK, TMA, PAIR)
+                _signal(ready + tm * NR + A + off_n // KLEN)
             else:  # y = act @ Wd^T, split s of a tile
-                r = r - NQ - NO - NG
+                r = r - NQ - NA - NO - NG
                 tile = r // SPLIT
                 split = r % SPLIT
                 tm = tile // TN_D
-                _wait_count(ready + tm * NR + 3 + split, KLEN // BN_GU, err_ptr, FENCE)
+                _wait_count(ready + tm * NR + A + split, KLEN // BN_GU, err_ptr, FENCE)
                 stored = _down_unit(act_ld, I, wd_ld, layer * H, H, y_ptr, part_ptr, tile_cnt_ptr + layer * (TM * TN_D),
                                     tile, split, tm * BM, (tile % TN_D) * BN_D, M, BM, BN_D, BK, SPLIT, TMA)  # fmt: skip
                 if stored != 0:
                     _signal(ready + tm * NR)
+
+
+@dataclass
+class Attention:
+    """What the attention items read and write, as the engine lays it out: the new token's position per
+    row, the rotary tables ([P, D / 2] fp32), every layer's paged K / V cache ([L, blocks, Hkv, bs, D]) and
+    the rows' block tables ([rows, max blocks] int32). The engine's settings for head dim <= 64
+    (ops_triton.TritonOps): 64-token tiles, the new token in registers, the block table read a tile ahead."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    heads: int
+    tile: int = 64
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k_cache.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_cache.shape[4]
+
+    def engine(self, q, k, v, layer: int, stages: int = 3) -> torch.Tensor:
+        """The engine's fused kernel for one layer (what `now` launches)."""
+        return rope_paged_decode_attention(
+            q, k, v, self.positions, self.cos, self.sin, None, None, 1e-6, self.k_cache[layer], self.v_cache[layer],
+            self.block_tables, self.head_dim**-0.5, tile=self.tile, num_warps=4, num_stages=stages,
+            new_in_registers=True, prefetch_table=True,
+        )  # fmt: skip
 
 
 class Persistent:
@@ -346,13 +557,15 @@ class Persistent:
 
     def __init__(self, rows, hidden, qkv, inter, layers, wqkv, wo, wgu, wd, *, bm_qkv=64, bn_qkv=64, bm_o=64,
                  bn_o=64, bm_gu=64, bn_gu=64, bm_d=64, bn_d=64, split=2, bk=64, num_warps=4, num_stages=3,
-                 phases=15, prefetch=False, per_sm=1, tma=False, form="barrier", nprog=None):  # fmt: skip
+                 phases=15, prefetch=False, per_sm=1, tma=False, form="barrier", nprog=None, pair=False,
+                 attention: Attention | None = None, row_major=False, attention_rows=False):  # fmt: skip
         dev = wqkv.device
         assert form in ("barrier", "dataflow"), form
         if form == "dataflow":  # row blocks are the unit of dependency: one block height for every phase
             assert bm_qkv == bm_o == bm_gu == bm_d, "the dataflow form needs one row block for every phase"
             assert (inter // split) % bn_gu == 0, "a down split's K range must be whole gate|up tiles"
             assert phases == 15 and not prefetch, "the dataflow form runs every phase, without prefetch"
+        assert attention is None or form == "dataflow", "attention items run in the dataflow form only"
         self.form = form
         for total, block in ((rows, bm_qkv), (rows, bm_o), (rows, bm_gu), (rows, bm_d), (qkv, bn_qkv), (hidden, bn_o),
                              (inter, bn_gu), (hidden, bn_d), (hidden, bk), (inter, bk * split)):  # fmt: skip
@@ -364,17 +577,24 @@ class Persistent:
         self.qkv = torch.empty(rows, qkv, dtype=dt, device=dev)
         self.o = torch.empty(rows, hidden, dtype=dt, device=dev)
         self.act = torch.empty(rows, inter, dtype=dt, device=dev)
+        self.attn = torch.empty(rows, hidden, dtype=dt, device=dev) if attention is not None else self.o
+        self.attention = attention
         self.part = torch.empty(max(split, 1), rows, hidden, dtype=torch.float32, device=dev)
         d_tiles = (rows // bm_d) * (hidden // bn_d)
         self.ready_at = 2 + layers * d_tiles
         # zeroed per launch: [0] the barrier's arrivals, [1] the error flag, each layer's down tiles' split
         # counters, then (dataflow) each layer's and row block's ready counts (_dataflow_layers_kernel)
-        ready = layers * (rows // bm_d) * (3 + split)
+        self.ready_per_block = (3 if attention is None else 4) + split
+        ready = layers * (rows // bm_d) * self.ready_per_block
         self.counters = torch.zeros(self.ready_at + ready, dtype=torch.int32, device=dev)
         self.weights = (wqkv, wo, wgu, wd)
         self.tma = tma
+        self.pair = pair
+        self.row_major = row_major
+        self.attention_rows = attention_rows  # an attention item is a row (all KV heads), not a (row, KV head)
+        assert not row_major or form == "dataflow", "the item order is the dataflow form's"
         self.blocks = dict(y=(bm_qkv, bk), qkv=(bm_o, bk), o=(bm_gu, bk), act=(bm_d, bk), wqkv=(bn_qkv, bk), wo=(bn_o, bk),
-                           wgu=(bn_gu, bk), wd=(bn_d, bk))  # fmt: skip
+                           wgu=(bn_gu, bk), wd=(bn_d, bk), attn=(bm_o, bk))  # fmt: skip
         self._sources: dict[int, tuple] = {}  # y's address -> what the products read
         self.consts = dict(
             M=rows, H=hidden, QKV=qkv, I=inter, BM_QKV=bm_qkv, BN_QKV=bn_qkv, BM_O=bm_o, BN_O=bn_o, BM_GU=bm_gu,
@@ -389,7 +609,7 @@ class Persistent:
         key = y.data_ptr()
         if key not in self._sources:
             tensors = dict(y=y, qkv=self.qkv, o=self.o, act=self.act, wqkv=self.weights[0], wo=self.weights[1],
-                           wgu=self.weights[2], wd=self.weights[3])  # fmt: skip
+                           wgu=self.weights[2], wd=self.weights[3], attn=self.attn)  # fmt: skip
             if self.tma:
                 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -406,20 +626,36 @@ class Persistent:
     def run(self, y: torch.Tensor) -> None:
         c = self.counters
         c.zero_()
-        fence = self.tma and os.environ.get("TRITON_INTERPRET") != "1"  # (no inline PTX in the interpreter)
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        fence = self.tma and not interpreted  # (no inline PTX in the interpreter)
         if self.form == "dataflow":
             k = self.consts
+            a = self.attention
+            if a is None:  # (the attention's arguments unused: anything of the right kind)
+                attn_args = (y, c, y, y, y, y, c, 0, 1.0, 0)
+                attn_consts = dict(HQ=1, HKV=1, GROUP_P=16, D=16, HALF_P=8, BS=16, TILE=16, MAX_CTX=0)
+            else:
+                attn_args = (self.attn, a.positions, a.cos, a.sin, a.k_cache, a.v_cache, a.block_tables,
+                             a.block_tables.stride(0), a.head_dim**-0.5 * 1.4426950408889634, a.k_cache[0].numel())  # fmt: skip
+                attn_consts = dict(
+                    HQ=a.heads, HKV=a.kv_heads, GROUP_P=max(16, triton.next_power_of_2(a.heads // a.kv_heads)),
+                    D=a.head_dim, HALF_P=triton.next_power_of_2(a.head_dim // 2), BS=a.k_cache.shape[3], TILE=a.tile,
+                    MAX_CTX=a.block_tables.shape[1] * a.k_cache.shape[3] if interpreted else 0,
+                )  # fmt: skip
             _dataflow_layers_kernel[(self.nprog,)](
                 y, self.qkv, self.o, self.act, self.part, c[2:], c[self.ready_at :], c[1:], *self._read_through(y),
-                self.layers, M=k["M"], H=k["H"], QKV=k["QKV"], I=k["I"], BM=k["BM_D"], BN_QKV=k["BN_QKV"], BN_O=k["BN_O"],
-                BN_GU=k["BN_GU"], BN_D=k["BN_D"], SPLIT=k["SPLIT"], BK=k["BK"], NPROG=self.nprog, TMA=self.tma,
-                FENCE=fence, num_warps=k["num_warps"], num_stages=k["num_stages"],
-                **({"maxnreg": k["maxnreg"]} if "maxnreg" in k else {}),
+                *attn_args, self.layers, M=k["M"], H=k["H"], QKV=k["QKV"], I=k["I"], BM=k["BM_D"], BN_QKV=k["BN_QKV"],
+                BN_O=k["BN_O"], BN_GU=k["BN_GU"], BN_D=k["BN_D"], SPLIT=k["SPLIT"], BK=k["BK"], NPROG=self.nprog,
+                TMA=self.tma, FENCE=fence, PAIR=self.pair, ATTN=a is not None, **attn_consts,
+                DYNAMIC_LOOP=not interpreted, IEEE=y.dtype == torch.float32, ROW_MAJOR=self.row_major,
+                ATTN_ROWS=self.attention_rows,
+                num_warps=k["num_warps"],
+                num_stages=k["num_stages"], **({"maxnreg": k["maxnreg"]} if "maxnreg" in k else {}),
             )  # fmt: skip
             return
         _persistent_layers_kernel[(self.nprog,)](
-            y, self.qkv, self.o, self.act, self.part, c[2:], c[0:], c[1:], *self.weights, *self._read_through(y),
-            self.layers, **self.consts, TMA=self.tma, FENCE=fence,
+            y, self.qkv, self.o, self.act, self.part, c[2:], c[0:], c[1:], *self.weights, *self._read_through(y)[:8],
+            self.layers, **self.consts, TMA=self.tma, FENCE=fence, PAIR=self.pair,
         )  # fmt: skip
 
     def failed(self) -> bool:
@@ -456,6 +692,17 @@ def main(argv=None):
     ap.add_argument("--prefetch", default="off,on", help="off, on or off,on")
     ap.add_argument("--form", default="barrier", help="barrier, dataflow or barrier,dataflow")
     ap.add_argument("--tma", default="off", help="off, on or off,on: the products read through TMA descriptors")
+    ap.add_argument("--pair", default="off", help="off, on or off,on: gate|up's two products in one K loop")
+    ap.add_argument("--order", default="phase", help="phase, row or phase,row: the dataflow form's item list by "
+                    "(layer, phase, row block) or by (layer, row block, phase)")  # fmt: skip
+    ap.add_argument("--attention", action="store_true",
+                    help="the engine's rotary + paged attention between q|k|v and o_proj on both sides (dataflow form "
+                         "only), over a paged cache laid out as the rollout's (--prompts x --n rows sharing prompt blocks)")  # fmt: skip
+    ap.add_argument("--items", default="head", help="with --attention: head, row or head,row: an attention item is "
+                    "one (row, KV head), as the engine's programs, or one row with all its KV heads")  # fmt: skip
+    ap.add_argument("--context", type=int, default=512, help="with --attention: every row's context (new token included)")
+    ap.add_argument("--prompts", type=int, default=32, help="with --attention: prompts; rows / prompts samples each")
+    ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--phases", action="store_true", help="also time the best configuration with one phase at a time")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args(argv)
@@ -472,10 +719,28 @@ def main(argv=None):
     # output is checked after two layers, where it is still near unit size; the timed runs do all of them.
     wqkv, wo, wgu, wd = weight(qkv, hidden), weight(hidden, hidden), weight(2 * inter, hidden), weight(hidden, inter, 1.7)
     x = torch.randn(args.rows, hidden, device=dev).to(dt)
+    att = None
+    if args.attention:
+        from decode_attention import BLOCK, block_tables
 
-    def engine_layer(y: torch.Tensor, i: int) -> torch.Tensor:  # NativeDecoder._qkv / _mlp's launches
-        q = F.linear(y, wqkv[i])[:, :hidden]
-        o = F.linear(q, wo[i])
+        assert args.rows % args.prompts == 0 and args.context > args.prompt_len
+        max_ctx = -(-args.context // BLOCK) * BLOCK
+        bt, blocks = block_tables(args.prompts, args.rows // args.prompts, args.prompt_len, max_ctx,
+                                  torch.Generator().manual_seed(0))  # fmt: skip
+        cache = [torch.randn(layers, blocks, kv_heads, BLOCK, head_dim, device=dev).to(dt) for _ in range(2)]
+        ang = torch.rand(max_ctx, head_dim // 2, device=dev) * 6
+        att = Attention(torch.full((args.rows,), args.context - 1, device=dev), ang.cos(), ang.sin(), *cache, bt.to(dev),
+                        heads)  # fmt: skip
+
+    last = {}  # the engine's last attention output
+
+    def engine_layer(y: torch.Tensor, i: int) -> torch.Tensor:  # NativeDecoder._qkv / _attend / _mlp's launches
+        if att is None:
+            a = F.linear(y, wqkv[i])[:, :hidden]
+        else:
+            a = att.engine(*F.linear(y, wqkv[i]).split([hidden, kv_heads * head_dim, kv_heads * head_dim], -1), i)
+            last["attn"] = a
+        o = F.linear(a, wo[i])
         g, u = F.linear(o, wgu[i]).split([inter, inter], -1)
         return F.linear(silu_mul(g, u), wd[i])
 
@@ -486,24 +751,37 @@ def main(argv=None):
 
     check_layers = 2
     ref = engine(x, check_layers).float()
+    ref_attn = last["attn"].float() if att is not None else None  # the second layer's
     scale = ref.abs().max().item()
-    assert 0.1 < scale < 1e3, f"the check's reference is out of range ({scale})"
+    assert 1e-3 < scale < 1e3, f"the check's reference is out of range ({scale})"
     now = time_graph_us(lambda: engine(x), layers, args.reps)
-    print(f"{args.size}, {args.rows} rows, {layers} layers, us per layer (q|k|v {qkv}x{hidden}, o_proj, gate|up "
-          f"{2 * inter}x{hidden} + SiLU * up, down {hidden}x{inter})")  # fmt: skip
-    print(f"  now (cuBLAS products + SiLU * up, 5-6 launches a layer): {now:.2f}", flush=True)
+    what = "q|k|v, rotary + paged attention" if att is not None else "q|k|v"
+    print(f"{args.size}, {args.rows} rows, {layers} layers, us per layer ({what} {qkv}x{hidden}, o_proj, gate|up "
+          f"{2 * inter}x{hidden} + SiLU * up, down {hidden}x{inter})"
+          + (f"; every row at context {args.context}, {args.prompts} prompts of {args.prompt_len}" if att else ""))  # fmt: skip
+    print(f"  now (cuBLAS products{' + the attention kernel' if att else ''} + SiLU * up, "
+          f"{'6-7' if att else '5-6'} launches a layer): {now:.2f}", flush=True)  # fmt: skip
     names = list(CONFIGS) if args.configs == "all" else args.configs.split(",")
     y = x.clone()
     results, bare_us = [], {}
-    for form, name, prefetch, tma in itertools.product(args.form.split(","), names, args.prefetch.split(","),
-                                                       args.tma.split(",")):  # fmt: skip
+    for form, name, prefetch, tma, pair, order, items in itertools.product(
+        args.form.split(","), names, args.prefetch.split(","), args.tma.split(","), args.pair.split(","),
+        args.order.split(","), args.items.split(",") if att is not None else ["head"],
+    ):  # fmt: skip
+        if order == "row" and form != "dataflow":
+            continue
         if form == "dataflow" and (prefetch == "on" or len(set(CONFIGS[name][0:8:2])) > 1):
             continue  # (the dataflow form: one row block height, no prefetch)
+        if att is not None and form != "dataflow":
+            continue
         bm_qkv, bn_qkv, bm_o, bn_o, bm_gu, bn_gu, bm_d, bn_d, split, bk, warps, stages, per_sm = CONFIGS[name]
         kw = dict(bm_qkv=bm_qkv, bn_qkv=bn_qkv, bm_o=bm_o, bn_o=bn_o, bm_gu=bm_gu, bn_gu=bn_gu, bm_d=bm_d, bn_d=bn_d,
                   split=split, bk=bk, num_warps=warps, num_stages=stages, prefetch=prefetch == "on", per_sm=per_sm,
-                  tma=tma == "on", form=form)  # fmt: skip
-        label = f"{form} {name}{' prefetch' if prefetch == 'on' else ''}{' tma' if tma == 'on' else ''}"
+                  tma=tma == "on", form=form, pair=pair == "on", attention=att, row_major=order == "row",
+                  attention_rows=items == "row")  # fmt: skip
+        label = (f"{form} {name}{' prefetch' if prefetch == 'on' else ''}{' tma' if tma == 'on' else ''}"
+                 f"{' pair' if pair == 'on' else ''}{' row-major' if order == 'row' else ''}"
+                 f"{' row items' if items == 'row' else ''}")  # fmt: skip
         try:
             check = Persistent(args.rows, hidden, qkv, inter, check_layers, wqkv, wo, wgu, wd, **kw)
             y.copy_(x)
@@ -511,6 +789,8 @@ def main(argv=None):
             torch.cuda.synchronize()
             failed = check.failed()
             err = (y.float() - ref).abs().max().item() / scale
+            if att is not None:  # and the attention items' own output, the second layer's
+                err = max(err, (check.attn.float() - ref_attn).abs().max().item() / ref_attn.abs().max().item())
             p = Persistent(args.rows, hidden, qkv, inter, layers, wqkv, wo, wgu, wd, **kw)
             y.copy_(x)
             p.run(y)
@@ -533,7 +813,9 @@ def main(argv=None):
         t = time_graph_us(launch, layers, args.reps)
         if (warps, per_sm) not in bare_us:  # the same launch with no work: 4 barriers a layer
             bare = Persistent(args.rows, hidden, qkv, inter, layers, wqkv, wo, wgu, wd,
-                              **{**kw, "prefetch": False, "tma": False, "form": "barrier"}, phases=0)  # fmt: skip
+                              **{**kw, "prefetch": False, "tma": False, "form": "barrier", "attention": None,
+                                 "row_major": False, "attention_rows": False},
+                              phases=0)  # fmt: skip
             bare_us[warps, per_sm] = time_graph_us(lambda: bare.run(y), layers, args.reps)
         results.append((t, label, kw))
         print(f"  {label}: {t:.2f} (barriers only {bare_us[warps, per_sm]:.2f}), relative difference "

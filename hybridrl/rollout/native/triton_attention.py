@@ -169,10 +169,30 @@ def _rope_paged_decode_kernel(
     BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, HAS_NORM: tl.constexpr,
     kv_off_ptr, KV_TABLE: tl.constexpr, NEW_IN_REGISTERS: tl.constexpr, PREFETCH_TABLE: tl.constexpr,
 ):  # fmt: skip
-    """_qk_rope_write_kv_kernel and _paged_decode_kernel as one program per (sequence, KV head):
-    the program rotates its query heads and its KV head's new key, writes the new key and value
-    into the cache, and attends over the context including them. Same arithmetic, one launch fewer
-    per layer.
+    """_qk_rope_write_kv_kernel and _paged_decode_kernel as one program per (sequence, KV head)
+    (_rope_attend_row). Same arithmetic, one launch fewer per layer."""
+    k_cache_ptr, v_cache_ptr = _cache_pointers(k_cache_ptr, v_cache_ptr, kv_off_ptr, KV_TABLE)
+    _rope_attend_row(
+        q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
+        k_cache_ptr, v_cache_ptr, bt_ptr, bt_stride, out_ptr, scale_log2, tl.program_id(0).to(tl.int64),
+        tl.program_id(1), MAX_CTX, DYNAMIC_LOOP, HQ, HKV, GROUP, GROUP_P, D, HALF, HALF_P, BS, TILE, IEEE, HAS_NORM,
+        NEW_IN_REGISTERS, PREFETCH_TABLE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _rope_attend_row(
+    q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps,
+    k_cache_ptr, v_cache_ptr, bt_ptr, bt_stride, out_ptr, scale_log2, row, kvh,
+    MAX_CTX: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+    BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr, HAS_NORM: tl.constexpr,
+    NEW_IN_REGISTERS: tl.constexpr, PREFETCH_TABLE: tl.constexpr,
+):  # fmt: skip
+    """One (sequence `row` (int64), KV head `kvh`) of a decode step: rotates the row's query heads of
+    the group and the KV head's new key, writes the new key and value into the cache, and attends
+    over the context including them. (A function, not only a kernel, so that a persistent kernel can
+    run it as one of its work items: bench/decode_persistent.py.)
 
     NEW_IN_REGISTERS (HALF a power of two): the rotated queries stay in registers, and the new
     token is attended from the registers that wrote it, before the cached tokens; nothing this
@@ -180,9 +200,6 @@ def _rope_paged_decode_kernel(
     block table a tile ahead (_attend_range's PREFETCH). Otherwise the rotated queries are staged
     in the row's output slot (overwritten by the result) and the loop reads the new token from the
     cache. Which is faster depends on the head dim: ops_triton.TritonOps picks."""
-    k_cache_ptr, v_cache_ptr = _cache_pointers(k_cache_ptr, v_cache_ptr, kv_off_ptr, KV_TABLE)
-    row = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
     pos = tl.load(pos_ptr + row)
     hd, hd_mask, c, s = _rope_at(cos_ptr, sin_ptr, pos, HALF, HALF_P)
