@@ -1,49 +1,61 @@
-"""The decode step's products as one persistent kernel over every layer, against the engine's kernels.
+"""The decode step's products (and, --attention, its attention) as one persistent kernel over every
+layer, against the engine's kernels.
 
     python bench/decode_persistent.py [--size 0.5B] [--configs all|NAME,...] [--form barrier,dataflow]
-                                      [--prefetch off,on] [--tma off,on] [--phases]
+                                      [--prefetch off,on] [--tma off,on] [--pair off,on] [--order phase,row]
+                                      [--attention [--items head,row] [--context 512]] [--phases]
 
 The decode step is bound by its kernels' fixed costs (rollout/native/NOTES.md, sessions 19-38): ~9
 launches a layer, each paying a launch, a pipeline fill and one wave's tail, ~37 of a W0.5B layer's
 ~56 us. A persistent kernel runs every layer in one launch, its programs all resident, with a
 grid-wide barrier wherever the next product needs the whole of the last one's output. This measures
-how far that goes for the part of the step that is products, before anyone writes the rest (norms,
-rotary, attention):
+how far that goes, for the products and for the attention between them:
 
-- `now`: what the engine launches for a layer's products (NativeDecoder._qkv / _mlp): q|k|v, o_proj,
+- `now`: what the engine launches for a layer (NativeDecoder._qkv / _attend / _mlp): q|k|v, (with
+  --attention) the fused rotary + KV write + paged attention kernel at the engine's settings, o_proj,
   gate|up, SiLU * up, down (cuBLAS; its own split-K reduce where it chooses one).
 - `persistent`: one Triton kernel per step. A layer is four phases, each a persistent loop over its
   output tiles, with a grid barrier after each: q|k|v; o_proj; gate|up with SiLU * up applied to the
-  tile in registers (gate and up rounded to the model dtype first, as the separate kernels round);
-  down, its K split over SPLIT programs whose fp32 partials the last program to finish a tile sums in
-  a fixed order (so the output does not depend on which finishes first). Configurations (CONFIGS) set
-  the tiles, warps, pipeline stages and programs per SM. With --prefetch on, a program asks L2 for
-  the weight rows of its next phase's first tile before it waits at the barrier; with --tma on, the
-  products read their operands through TMA descriptors instead of pointers.
+  tile in registers (gate and up rounded to the model dtype first, as the separate kernels round;
+  --pair on: both products in one K loop, each A tile read once); down, its K split over SPLIT
+  programs whose fp32 partials the last program to finish a tile sums in a fixed order (so the output
+  does not depend on which finishes first). Configurations (CONFIGS) set the tiles, warps, pipeline
+  stages and programs per SM. With --prefetch on, a program asks L2 for the weight rows of its next
+  phase's first tile before it waits at the barrier; with --tma on, the products read their operands
+  through TMA descriptors instead of pointers.
 - `dataflow` (`--form dataflow`): the same tiles with no grid barrier. Every tile of every layer is an
   item of one list in dependency order, dealt round-robin to the programs; an item waits only for the
   row block it reads (per-row-block counters), so row blocks move through the layers on their own and
-  one phase's last tiles overlap the next phase's first.
+  one phase's last tiles overlap the next phase's first. `--order row` lists a layer's items row block
+  by row block instead of phase by phase. With --attention, the engine's attention code
+  (triton_attention._rope_attend_row) runs as items between q|k|v and o_proj, one per (row, KV head)
+  as the engine's programs, or (`--items row`) one per row with all its KV heads
+  (_rope_attend_row_heads), over a paged cache laid out as the rollout's: --prompts groups of
+  rows / prompts samples sharing their prompt's blocks, every row at --context.
 - `barriers only`: the barrier form's launch with every phase's work skipped: what its barriers cost.
   `--phases` times the best barrier configuration with one phase at a time (all barriers kept).
 
-The chain stands in for a layer's data flow (the attention output is replaced by q's columns of
-q|k|v, the norms and the residual are left out): products of the real shapes, each on the previous
-one's output, over every layer's own weights so the weights stream from HBM as in the rollout. Both
-sides are timed in one CUDA graph, best of several replays; microseconds per layer. Each
-configuration is first checked against the separate products over two layers (without norms the
-chain's scale drifts further down).
+The chain stands in for a layer's data flow (without --attention, the attention output is replaced by
+q's columns of q|k|v; the norms and the residual are left out on both sides): products of the real
+shapes, each on the previous one's output, over every layer's own weights (and cache) so they stream
+from HBM as in the rollout. Both sides are timed in one CUDA graph, best of several replays;
+microseconds per layer. Each configuration is first checked against the engine's chain over two
+layers (without norms the chain's scale drifts further down), and with --attention the attention
+items' own output too.
 
 The grid barrier needs every program resident at once: nothing else runs beside the kernel, and
 programs per SM are capped in registers to fit. A barrier gives up after ~2^22 polls and raises a
 flag (checked after each run), so a launch that breaks this fails in seconds instead of hanging.
 
-Measured on one H200 (rollout/native/NOTES.md, session 39): 4 barriers a layer cost 4.5-5.6 us; the
-best configuration (64 x 64 tiles, down split 4, 2 programs per SM, 5 stages) took 39.77-40.21 us a
-layer in the barrier form and 35.28-35.47 us in the dataflow form, against 32.24-32.46 us for the
-engine's kernels at W0.5B (W1.5B: 87.36 dataflow, 90.00 barrier, against 55.08 us). The small products
-gain (q|k|v ~3.1, o_proj ~2.9 us a layer against ~5 us each as launches), gate|up and down lose more
-(~15.9 and ~10.9 us against ~12.3 and ~9.7): Triton's main loops, not the barriers. Not used.
+Measured on one H200 (rollout/native/NOTES.md, sessions 39-40), W0.5B, us a layer:
+- products only: 4 barriers a layer cost 4.5-5.6 us; the best barrier configuration (64 x 64 tiles,
+  down split 4, 2 programs per SM, 5 stages) 39.77-40.21, the dataflow form 35.28-35.47 and with
+  --pair 34.79-35.13, against 32.14-32.46 for the engine's kernels. The small products gain (q|k|v
+  ~3.1, o_proj ~2.9 against ~5 each as launches), gate|up and down lose more: Triton's main loops.
+- with the attention (context 512): the engine 51.22-51.78, the dataflow form 55.18-55.44 (items per
+  (row, KV head)), 58.50 (per row), 100.51-100.53 (--order row). The attention costs as much inside the
+  persistent kernel as in its own launch (~20 us a layer): its time is each program's chain of
+  dependent tile loads, which no launch boundary adds to. Not used.
 """
 
 from __future__ import annotations
@@ -697,7 +709,8 @@ def main(argv=None):
                     "(layer, phase, row block) or by (layer, row block, phase)")  # fmt: skip
     ap.add_argument("--attention", action="store_true",
                     help="the engine's rotary + paged attention between q|k|v and o_proj on both sides (dataflow form "
-                         "only), over a paged cache laid out as the rollout's (--prompts x --n rows sharing prompt blocks)")  # fmt: skip
+                         "only), over a paged cache laid out as the rollout's (the rows of each of --prompts prompts sharing its "
+                         "blocks)")  # fmt: skip
     ap.add_argument("--items", default="head", help="with --attention: head, row or head,row: an attention item is "
                     "one (row, KV head), as the engine's programs, or one row with all its KV heads")  # fmt: skip
     ap.add_argument("--context", type=int, default=512, help="with --attention: every row's context (new token included)")
