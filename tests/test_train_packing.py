@@ -291,6 +291,33 @@ def _tiny_qwen2(num_layers: int):
     return transformers.Qwen2ForCausalLM(config).train()
 
 
+def test_plain_module_forwards_drops_the_hub_kernel_wrapper_only_where_no_kernel_is_installed():
+    """transformers >= 5.25 (with `kernels`) wraps the attention's forward to route hub kernels; the
+    wrapper's context variable breaks compile_layers' traced checkpointing. plain_module_forwards gives
+    each module without an installed hub kernel its class's own forward (the same outputs) and leaves a
+    module that kernelize gave a kernel (an instance forward on its wrapper) alone."""
+    import types
+
+    pytest.importorskip("kernels")
+    from hybridrl.train.setup import plain_module_forwards
+
+    model = _tiny_qwen2(num_layers=2).eval()
+    attention = [layer.self_attn for layer in model.model.layers]
+    if not hasattr(type(attention[0]).forward, "__wrapped__") or "_kernel_funcs" not in attention[0].__dict__:
+        pytest.skip("this transformers does not wrap the attention's forward")
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+    installed = next(iter(attention[1]._kernel_funcs.values()))
+    installed.forward = types.MethodType(type(installed).forward, installed)  # as kernelize installs a hub kernel
+    assert plain_module_forwards(model.model.layers) == 1
+    assert "forward" in attention[0].__dict__ and "forward" not in attention[1].__dict__
+    assert attention[0].forward.__func__ is type(attention[0]).forward.__wrapped__
+    assert plain_module_forwards(list(model.model.layers)) == 0  # done once; a list of layers works too
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
+
+
 def test_compiled_layer_groups_compile_once_per_grad_mode():
     """The reference pass runs a frozen copy of the policy without gradients: the layer groups compile
     one graph for it and one for training. (transformers' gradient checkpointing hooks the input

@@ -139,6 +139,10 @@ def compile_layers(model: torch.nn.Module, layers_per_graph: int = 1, *, dynamic
     import torch._inductor.config as inductor_config
 
     inductor_config.emulate_precision_casts = True
+    unwrapped = plain_module_forwards(layers)
+    if unwrapped:
+        log.info("train.compile: %d modules run their own forward, not the hub-kernel wrapper (no hub kernel installed)",
+                 unwrapped)  # fmt: skip
     if layers_per_graph == 1:
         for layer in layers:
             layer.compile()
@@ -150,6 +154,31 @@ def compile_layers(model: torch.nn.Module, layers_per_graph: int = 1, *, dynamic
     base._hybridrl_layer_groups = groups  # a plain list: not registered as submodules
     base._hybridrl_dynamic_tokens = dynamic_tokens  # train.compile_dynamic (grouped_decoder_forward)
     log.info("train.compile: %d decoder layers compiled in %d graphs of up to %d", len(layers), len(groups), layers_per_graph)
+
+
+def plain_module_forwards(layers: torch.nn.Module | list) -> int:
+    """Gives back their class's own forward to the modules under `layers` whose forward the `kernels`
+    package wraps (its `use_kernelized_func`; Qwen2's and Llama's attention since transformers 5.25,
+    which installs `kernels`) while no hub kernel is installed in them. The wrapper only routes calls
+    to a hub kernel that `kernels.kernelize` may install; to do so it sets a context variable around
+    the call. Inside activation checkpointing traced by torch.compile (compile_layers' groups) that is
+    a side effect dynamo will not trace, and each group falls back to eager. With no hub kernel
+    installed, the wrapped call computes exactly the class's own forward. A module that `kernelize`
+    gave a hub kernel keeps its wrapper. Returns how many modules were changed (the instance's
+    `forward` attribute; the class and other models are untouched)."""
+    import types
+
+    changed = 0
+    for module in layers.modules() if isinstance(layers, torch.nn.Module) else (m for x in layers for m in x.modules()):
+        own = getattr(type(module).forward, "__wrapped__", None)
+        wrappers = module.__dict__.get("_kernel_funcs")  # the wrapper's per-instance hub-kernel slots
+        if own is None or not isinstance(wrappers, dict) or "forward" in module.__dict__:
+            continue
+        if any("forward" in getattr(w, "__dict__", {}) for w in wrappers.values()):  # kernelize installed one
+            continue
+        module.forward = types.MethodType(own, module)
+        changed += 1
+    return changed
 
 
 def grouped_decoder_forward(base: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, **layer_kwargs) -> torch.Tensor:
