@@ -170,9 +170,11 @@ def plain_module_forwards(layers: torch.nn.Module | list) -> int:
 
     changed = 0
     for module in layers.modules() if isinstance(layers, torch.nn.Module) else (m for x in layers for m in x.modules()):
-        own = getattr(type(module).forward, "__wrapped__", None)
+        forward = type(module).forward
+        own = getattr(forward, "__wrapped__", None)
         wrappers = module.__dict__.get("_kernel_funcs")  # the wrapper's per-instance hub-kernel slots
-        if own is None or not isinstance(wrappers, dict) or "forward" in module.__dict__:
+        by_kernels = getattr(forward, "__globals__", {}).get("__name__", "").split(".")[0] == "kernels"
+        if own is None or not by_kernels or not isinstance(wrappers, dict) or "forward" in module.__dict__:
             continue
         if any("forward" in getattr(w, "__dict__", {}) for w in wrappers.values()):  # kernelize installed one
             continue
