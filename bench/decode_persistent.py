@@ -72,7 +72,7 @@ import triton.language as tl
 
 from decode_gemm import SHAPES  # bench/ is on the path when a bench script runs
 from hybridrl.kernels.cublaslt import time_graph_us
-from hybridrl.rollout.native.triton_attention import _rope_attend_row, rope_paged_decode_attention
+from hybridrl.rollout.native.triton_attention import _rope_attend_row, _softmax_update, rope_paged_decode_attention
 from hybridrl.rollout.native.triton_kernels import _rms_rope_heads, _rope_at, _rope_write_kv
 from hybridrl.rollout.native.triton_kernels import silu_mul
 
@@ -331,23 +331,8 @@ def _attend_tile_heads(q, kc_ptr, vc_ptr, bt_ptr, bt_stride, row, ctx, start, m_
     slot = tl.reshape((block * (HKV * BS) + tok % BS)[None, :] + (kv * BS)[:, None], (HKV * TILE,))  # (head, token)
     key_ok = tl.reshape(t_mask[None, :] & (kv[:, None] >= 0), (HKV * TILE,))
     off = slot[:, None] * D + tl.arange(0, D)[None, :]
-    k = tl.load(kc_ptr + off, mask=key_ok[:, None], other=0.0)
-    if IEEE:
-        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        sc = tl.dot(q, tl.trans(k))
     same = (tl.arange(0, HKV * GROUP_P) // GROUP_P)[:, None] == (tl.arange(0, HKV * TILE) // TILE)[None, :]
-    sc = tl.where(same & key_ok[None, :], sc * scale_log2, float("-inf"))  # [HKV * GROUP_P, HKV * TILE], log2 units
-    m_new = tl.maximum(m_i, tl.max(sc, axis=1))  # (finite: the state starts from the new token)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(sc - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(vc_ptr + off, mask=key_ok[:, None], other=0.0)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+    return _softmax_update(q, kc_ptr, vc_ptr, off, key_ok, same & key_ok[None, :], m_i, l_i, acc, scale_log2, IEEE)
 
 
 @triton.jit
@@ -554,11 +539,11 @@ class Attention:
     def head_dim(self) -> int:
         return self.k_cache.shape[4]
 
-    def engine(self, q, k, v, layer: int, stages: int = 3) -> torch.Tensor:
+    def engine(self, q, k, v, layer: int) -> torch.Tensor:
         """The engine's fused kernel for one layer (what `now` launches)."""
         return rope_paged_decode_attention(
             q, k, v, self.positions, self.cos, self.sin, None, None, 1e-6, self.k_cache[layer], self.v_cache[layer],
-            self.block_tables, self.head_dim**-0.5, tile=self.tile, num_warps=4, num_stages=stages,
+            self.block_tables, self.head_dim**-0.5, tile=self.tile, num_warps=4, num_stages=3,
             new_in_registers=True, prefetch_table=True,
         )  # fmt: skip
 

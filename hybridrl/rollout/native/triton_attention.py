@@ -39,18 +39,25 @@ def _attend_blocks(
     d = tl.arange(0, D)
     t_mask = tok < ctx
     kv_off = ((block * HKV + kvh) * BS + tok % BS)[:, None] * D + d[None, :]
-    k = tl.load(k_ptr + kv_off, mask=t_mask[:, None], other=0.0)  # [TILE, D]
+    return _softmax_update(q, k_ptr, v_ptr, kv_off, t_mask, t_mask[None, :], m_i, l_i, acc, scale_log2, IEEE)
+
+
+@triton.jit
+def _softmax_update(q, k_ptr, v_ptr, kv_off, key_mask, score_mask, m_i, l_i, acc, scale_log2, IEEE: tl.constexpr):
+    """One online-softmax step: the keys and values at k_ptr / v_ptr + kv_off ([N, D], rows off key_mask
+    read as 0) against the queries q [M, D], scores off score_mask [M, N] left out; returns the new state."""
+    k = tl.load(k_ptr + kv_off, mask=key_mask[:, None], other=0.0)  # [N, D]
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where(t_mask[None, :], s * scale_log2, float("-inf"))  # [GP, TILE], log2 units
+    s = tl.where(score_mask, s * scale_log2, float("-inf"))  # [M, N], log2 units
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked tile leaves state as is
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_ptr + kv_off, mask=t_mask[:, None], other=0.0)
+    v = tl.load(v_ptr + kv_off, mask=key_mask[:, None], other=0.0)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
