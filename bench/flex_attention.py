@@ -3,7 +3,7 @@
     python bench/flex_attention.py                 # 16,384-token micro-batch, W0.5B heads
     python bench/flex_attention.py --tokens 32768
     python bench/flex_attention.py --backward      # backward tiles, forward tiles fixed
-    python bench/flex_attention.py --kernels       # train.packed_attention: flash, flex (our tiles), triton, fa4 (if installed)
+    python bench/flex_attention.py --kernels       # train.packed_attention: flash, flex (our tiles), triton, fa4, cudnn, cudnn_full (if installed)
     python bench/flex_attention.py --kernels --only flash triton --triton-configs 128:64:4:3 128:128:8:2
     python bench/flex_attention.py --kernels --only flash triton triton_full --triton-bwd-configs 128:64:4:2,64:64:4:2
 
@@ -140,7 +140,7 @@ def compare_kernels(args, device) -> dict:
         seg_kernel = dataclasses.replace(seg, kernel=kernel)
         return lambda q, k, v: _flash_varlen_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], seg_kernel, scale)
 
-    candidates = {"flex": run_flex, **{kernel: varlen_runner(kernel) for kernel in ("flash", "triton", "triton_full", "fa4")}}
+    candidates = {"flex": run_flex, **{kernel: varlen_runner(kernel) for kernel in ("flash", "triton", "triton_full", "fa4", "cudnn", "cudnn_full")}}
     env_of = {}  # the tiles a candidate runs with, through the kernels' environment overrides
     for cfg in args.triton_configs:  # the Triton forward with other tiles (its backward is flash's)
         candidates[f"triton{cfg}"], env_of[f"triton{cfg}"] = candidates["triton"], {"HYBRIDRL_VARLEN_TILES": cfg}

@@ -108,10 +108,13 @@ def _fa4_here() -> bool:
 
 
 @gpu
-@pytest.mark.parametrize("dtype,kernel", [(torch.float32, "flex"), (torch.bfloat16, "flex"), (torch.bfloat16, "flash"), (torch.bfloat16, "fa4")])
+@pytest.mark.parametrize("dtype,kernel", [(torch.float32, "flex"), (torch.bfloat16, "flex"), (torch.bfloat16, "flash"), (torch.bfloat16, "fa4"),
+                                          (torch.bfloat16, "cudnn"), (torch.bfloat16, "cudnn_full")])  # fmt: skip
 def test_packed_logprobs_and_gradients_match_padded(dtype, kernel):
     if kernel == "fa4" and not _fa4_here():
         pytest.skip("needs flash-attn-4 and a Hopper or Blackwell GPU")
+    if kernel.startswith("cudnn") and not _cudnn_here():
+        pytest.skip("needs nvidia-cudnn-frontend and cuDNN >= 9.6")
     model = _model(dtype).train()
     assert enable_packed_attention(model, kernel) == kernel
     batch = _batch()
@@ -599,6 +602,82 @@ def test_triton_varlen_backward_matches_the_reference(dtype, heads, kv_heads, he
         for got, want, ref_grad in zip(grads, flash, ref):
             # no worse than FlashAttention-2's own distance from the fp32 reference, up to bf16 rounding
             assert (got.float() - ref_grad).norm() <= 1.5 * (want.float() - ref_grad).norm() + 1e-3 * ref_grad.norm()
+
+
+def _cudnn_here() -> bool:
+    from hybridrl.train.cudnn_varlen import available
+
+    return CUDA and available(torch.device("cuda"), torch.bfloat16, 64)
+
+
+@gpu
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(14, 2, 64), (12, 2, 128), (4, 4, 32)])
+@pytest.mark.parametrize("lengths", ["w05b", "mixed", "padded_batch"])
+def test_cudnn_varlen_matches_the_reference(heads, kv_heads, head_dim, lengths):
+    """cuDNN's forward and backward (cudnn_varlen: train.packed_attention=cudnn / cudnn_full) against the dense
+    fp32 reference of the kernel contract, and no further from it than FlashAttention-2: W0.5B-sized segments,
+    short and one-token segments, and a segment count that cuDNN's graphs see padded with empty segments. Both
+    log-sum-exp layouts: FlashAttention-2's `[H, Tq]` (equal to its own) and the padded one cuDNN's backward reads."""
+    if not _cudnn_here():
+        pytest.skip("needs nvidia-cudnn-frontend and cuDNN >= 9.6")
+    from hybridrl.train import cudnn_varlen
+    from hybridrl.train.attention import _varlen_reference_backward, _varlen_reference_forward
+
+    segments = {
+        "w05b": [(256, 256)] + [(512, 768)] * 8,
+        "mixed": [(40, 40), (23, 63), (1, 41), (70, 110), (5, 5), (300, 556), (1, 1), (64, 64)],
+        "padded_batch": [(77, 333), (130, 130), (2, 99)],  # 3 segments, seen as 8
+    }[lengths]
+    cu_q, cu_k, max_q, max_k = _segments(segments)
+    g = torch.Generator().manual_seed(3)
+    mk = lambda n, h: torch.randn(n, h, head_dim, generator=g).to("cuda", torch.bfloat16)  # noqa: E731
+    q, k, v = mk(int(cu_q[-1]), heads), mk(int(cu_k[-1]), kv_heads), mk(int(cu_k[-1]), kv_heads)
+    dout = mk(int(cu_q[-1]), heads)
+    cu_q, cu_k, scale = cu_q.cuda(), cu_k.cuda(), head_dim**-0.5
+    out_flash_layout, lse_flash_layout = cudnn_varlen.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, lse_layout="flash")
+    out, lse = cudnn_varlen.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, lse_layout="padded")
+    torch.testing.assert_close(out_flash_layout, out, atol=0, rtol=0)
+    assert lse.shape == (cudnn_varlen.padded_segments(cu_q), heads, cudnn_varlen.padded_length(max_q), 1)
+    ref_out, ref_lse = _varlen_reference_forward(q.float(), k.float(), v.float(), cu_q, cu_k, scale)
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=0)
+    starts, ends = cu_q[:-1].tolist(), cu_q[1:].tolist()
+    for b, (s, e) in enumerate(zip(starts, ends)):  # the padded log-sum-exp of each segment's real queries
+        torch.testing.assert_close(lse[b, :, : e - s, 0], ref_lse[:, s:e], atol=2e-2, rtol=0)
+    grads = cudnn_varlen.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale)
+    ref = _varlen_reference_backward(dout.float(), q.float(), k.float(), v.float(), out.float(), ref_lse, cu_q, cu_k, scale)
+    _, flash_lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
+    assert lse_flash_layout.shape == flash_lse.shape and lse_flash_layout.is_contiguous()
+    torch.testing.assert_close(lse_flash_layout, flash_lse, atol=2e-2, rtol=0)
+    seed, offset = torch.empty(2, dtype=torch.uint64, device="cuda"), torch.empty((), dtype=torch.uint64, device="cuda")
+    flash = torch.ops.aten._flash_attention_backward(dout, q, k, v, out, flash_lse, cu_q, cu_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
+    for name, got, want, ref_grad in zip("qkv", grads, flash, ref):
+        assert torch.isfinite(got).all(), name
+        err, flash_err = (got.float() - ref_grad).norm(), (want.float() - ref_grad).norm()
+        assert err <= 1.5 * flash_err + 1e-3 * ref_grad.norm(), (name, err.item(), flash_err.item())
+
+
+@gpu
+def test_cudnn_matches_flash_on_the_packed_segments():
+    """train.packed_attention=cudnn and cudnn_full against flash through the model: the same log-probs and
+    gradients up to bf16 rounding; and a second packed row of another shape reuses nothing of the first's metadata."""
+    if not _cudnn_here():
+        pytest.skip("needs nvidia-cudnn-frontend and cuDNN >= 9.6")
+    results = {}
+    for num_prompts in (3, 2):
+        batch = dataclasses.replace(_batch(num_prompts=num_prompts), packed=True)
+        for kernel in ("flash", "cudnn", "cudnn_full"):
+            model = _model(torch.bfloat16).train()
+            assert enable_packed_attention(model, kernel) == kernel
+            lp, ent = response_logprobs(model, batch, with_entropy=True)
+            grads = torch.autograd.grad(lp.sum() + ent.sum(), list(model.parameters()))
+            results[kernel] = (lp.detach().float(), [g.float() for g in grads])
+        lp_a, g_a = results["flash"]
+        mask = batch.response_mask.bool()
+        for kernel in ("cudnn", "cudnn_full"):
+            lp_b, g_b = results[kernel]
+            assert (lp_a - lp_b)[mask].abs().mean() < 2e-3, (num_prompts, kernel)
+            for x, y in zip(g_b, g_a):
+                assert (x - y).norm() <= 2e-2 * y.norm() + 1e-8, (num_prompts, kernel)
 
 
 @gpu

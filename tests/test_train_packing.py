@@ -31,9 +31,9 @@ def _batch(num_prompts=4, n=3, seed=0, max_response=7):
     return build_sequence_batch(prompts, responses, pad_id=0)
 
 
-@pytest.mark.parametrize("kernel", ["auto", "flash", "triton", "triton_full", "fa4"])
+@pytest.mark.parametrize("kernel", ["auto", "flash", "triton", "triton_full", "fa4", "cudnn", "cudnn_full"])
 def test_packed_and_padded_logprobs_entropy_and_gradients_agree(tiny_model_path, kernel):
-    """auto on CPU: the dense packed mask; flash / fa4: the varlen segments through the kernels' reference."""
+    """auto on CPU: the dense packed mask; flash / fa4 / cudnn: the varlen segments through the kernels' reference."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
     assert enable_packed_attention(model, kernel) == ("flex" if kernel == "auto" else kernel)
     batch = _batch()

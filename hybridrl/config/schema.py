@@ -127,7 +127,9 @@ class TrainConfig:
     # segments; sm80+, bf16/fp16), "flex" (FlexAttention with a block mask), "triton" (the same segments, forward
     # by a Triton kernel with each KV head's query heads in one tile, backward by FlashAttention-2), "triton_full" (that
     # forward with a Triton backward; correct, but measured slower than FlashAttention-2's backward), "fa4" (the same segments through
-    # FlashAttention-4's CuTe kernels: pip install flash-attn-4; Hopper / Blackwell), "auto": triton on Hopper (head dim 64 or 128), else flash where it runs, else flex
+    # FlashAttention-4's CuTe kernels: pip install flash-attn-4; Hopper / Blackwell), "cudnn" (the same segments, forward by cuDNN's
+    # fused SDPA, backward by FlashAttention-2: pip install nvidia-cudnn-frontend; sm80+, cuDNN >= 9.6), "cudnn_full" (cuDNN's backward too),
+    # "auto": triton on Hopper (head dim 64 or 128), else flash where it runs, else flex
     packed_attention: str = "auto"
     # bf16/fp16 models: "fp32" master weights, gradients and AdamW state (18 B/param); "compensated": bf16
     # weights + bf16 Kahan compensation, bf16 moments and gradients (10 B/param, bf16 only); "none": AdamW in bf16

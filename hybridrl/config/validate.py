@@ -56,7 +56,7 @@ def validate_config(cfg: Config, *, require_paths: bool = True) -> None:
     _check_choice("algorithm.loss_agg", cfg.algorithm.loss_agg, LOSS_AGGS)
     _check_choice("train.lr_schedule", cfg.train.lr_schedule, ("constant", "cosine"))
     _check_choice("train.packing", cfg.train.packing, ("auto", "on", "off"))
-    _check_choice("train.packed_attention", cfg.train.packed_attention, ("auto", "flash", "flex", "triton", "triton_full", "fa4"))
+    _check_choice("train.packed_attention", cfg.train.packed_attention, ("auto", "flash", "flex", "triton", "triton_full", "fa4", "cudnn", "cudnn_full"))
     _check_choice("train.master_weights", cfg.train.master_weights, MASTER_WEIGHTS)
     layers = cfg.model.gradient_checkpointing_layers
     if layers is not None:

@@ -15,6 +15,13 @@ Two kernels serve packed rows on CUDA (`train.packed_attention`):
 - `fa4`: the same segments through FlashAttention-4's CuTe kernels (`pip install flash-attn-4`;
   Hopper and Blackwell kernels with wgmma / tcgen05, where PyTorch's FlashAttention-2 uses mma.sync).
   Optional: asked for without the package, it is an error that says what to install.
+- `cudnn`: the same segments, forward by cuDNN's fused SDPA (cudnn_varlen.py; `pip install
+  nvidia-cudnn-frontend`, cuDNN >= 9.6), backward by FlashAttention-2; `cudnn_full`: cuDNN's backward
+  too. Correct on an H200; at W0.5B its forward kernel took 0.093 ms a 13k-token micro-batch in a
+  profiled step, but each call costs the host ~0.07 ms more than the Triton forward's (0.191 against
+  0.120 ms), in a forward pass the host paces, and the step was slower (2.355 against 2.316 s;
+  train/NOTES.md, session 41).
+  Optional, like fa4.
 `auto` takes triton on Hopper (sm90) for head dims 64 and 128, flash elsewhere it runs (an sm80+
 GPU, bf16 / fp16, head dim <= 256), else flex. At W0.5B on an H200 the Triton forward took a packed
 micro-batch's attention forward from ~0.19 to ~0.12-0.15 ms and the training step from 2.46 to
@@ -56,8 +63,8 @@ SUPPORTED_BASES = ("sdpa", "eager", NAME)
 FLEX_KERNEL_OPTIONS = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 
 
-KERNELS = ("auto", "flash", "flex", "triton", "triton_full", "fa4")
-VARLEN_KERNELS = ("flash", "triton", "triton_full", "fa4")  # the kernels that take VarlenSegments
+KERNELS = ("auto", "flash", "flex", "triton", "triton_full", "fa4", "cudnn", "cudnn_full")
+VARLEN_KERNELS = ("flash", "triton", "triton_full", "fa4", "cudnn", "cudnn_full")  # the kernels that take VarlenSegments
 
 
 @dataclass
@@ -71,7 +78,7 @@ class VarlenSegments:
     kv_copies: torch.Tensor | None  # set in torch's deterministic mode: the keys' gradient is then ordered
     max_q: int
     max_k: int
-    kernel: str = "flash"  # "flash" (PyTorch's FlashAttention-2), "triton" / "triton_full" (triton_varlen) or "fa4"
+    kernel: str = "flash"  # "flash" (PyTorch's FlashAttention-2), "triton" / "triton_full" (triton_varlen), "fa4", "cudnn" / "cudnn_full"
 
 
 @torch.library.custom_op("hybridrl::varlen_attention", mutates_args=())
@@ -81,8 +88,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: to
     causal from the bottom right; q `[Tq, H, D]`, k / v `[Tk, Hkv, D]` (grouped-query attention when
     Hkv < H). `kernel` "flash": PyTorch's own FlashAttention-2; "triton": triton_varlen's forward
     (FlashAttention-2's backward); "triton_full": triton_varlen's forward and backward; "fa4":
-    FlashAttention-4's CuTe kernels. Off CUDA the same contract runs as a dense reference (`_varlen_reference_*`): tests and
-    CPU runs of `train.packed_attention=flash` / `fa4` go through it.
+    FlashAttention-4's CuTe kernels; "cudnn": cuDNN's fused SDPA forward (cudnn_varlen), FlashAttention-2's backward;
+    "cudnn_full": cuDNN's forward and backward, the log-sum-exp laid out `[B, H, S, 1]` for cuDNN's backward
+    (nothing else reads it). Off CUDA the same contract runs as a dense reference (`_varlen_reference_*`): tests
+    and CPU runs of `train.packed_attention=flash` / `fa4` / `cudnn` go through it.
 
     A custom op rather than an autograd.Function: compiled code sees one opaque op whose output the
     partitioner may recompute under gradient checkpointing. (Traced through an autograd.Function
@@ -102,12 +111,20 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: to
         from hybridrl.train.triton_varlen import varlen_forward
 
         return varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+    if kernel in ("cudnn", "cudnn_full"):
+        from hybridrl.train import cudnn_varlen
+
+        return cudnn_varlen.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, lse_layout="padded" if kernel == "cudnn_full" else "flash")
     out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
     return out, lse
 
 
 @varlen_attention.register_fake
 def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, kernel):
+    if kernel == "cudnn_full" and q.is_cuda:
+        from hybridrl.train.cudnn_varlen import padded_length, padded_segments
+
+        return torch.empty_like(q), q.new_empty((padded_segments(cu_q), q.shape[1], padded_length(max_q), 1), dtype=torch.float32)
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -130,6 +147,10 @@ def varlen_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.
         from hybridrl.train.triton_varlen import varlen_backward
 
         return varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale)
+    if kernel == "cudnn_full":
+        from hybridrl.train import cudnn_varlen
+
+        return cudnn_varlen.varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale)
     # The kernel's dropout RNG state (seed, offset): without dropout it is not read, so placeholders
     # serve. (Kept from the forward in a global, they were tensors no CUDA graph could account for.)
     seed, offset = torch.empty(2, dtype=torch.uint64, device=q.device), torch.empty((), dtype=torch.uint64, device=q.device)
@@ -335,7 +356,7 @@ def enable_packed_attention(model: torch.nn.Module, kernel: str = "auto") -> str
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     can_flash = flash_available(param.device, param.dtype, head_dim)
-    if kernel in ("flash", "triton", "triton_full") and not can_flash and param.device.type == "cuda":
+    if kernel in ("flash", "triton", "triton_full", "cudnn") and not can_flash and param.device.type == "cuda":
         raise ValueError(
             f"train.packed_attention={kernel} needs PyTorch's FlashAttention kernel (sm80+ GPU, bf16/fp16, head dim <= 256); "
             f"this model is {param.dtype} with head dim {head_dim} on {torch.cuda.get_device_name(param.device)}: "
@@ -349,6 +370,16 @@ def enable_packed_attention(model: torch.nn.Module, kernel: str = "auto") -> str
             f"and a bf16/fp16 model with head dim <= 256; this model is {param.dtype} with head dim {head_dim} on "
             f"{torch.cuda.get_device_name(param.device)}: install it, or set train.packed_attention=flash (or auto)"
         )
+    if kernel in ("cudnn", "cudnn_full") and param.device.type == "cuda":
+        from hybridrl.train.cudnn_varlen import available as cudnn_available
+
+        if not cudnn_available(param.device, param.dtype, head_dim):
+            raise ValueError(
+                f"train.packed_attention={kernel} needs the cuDNN frontend (pip install nvidia-cudnn-frontend), cuDNN >= 9.6 as "
+                f"PyTorch loads it, an sm80+ GPU and a bf16/fp16 model with head dim <= 128 (a multiple of 8); this model is "
+                f"{param.dtype} with head dim {head_dim} on {torch.cuda.get_device_name(param.device)}: install it, or set "
+                "train.packed_attention=flash (or auto)"
+            )
     if kernel in VARLEN_KERNELS:  # off CUDA their segments run through the dense reference
         chosen = kernel
     elif kernel == "auto" and can_flash:
