@@ -14,7 +14,7 @@ What differs from the other kernels:
   reads it padded, `[B, H, S_q, 1]` fp32 (B segments, S_q their longest query length, rounded up),
   which the forward then writes directly (`lse_layout="padded"`).
 - graphs: a cuDNN graph is built for each (segments, longest query, longest key, heads, head dim)
-  shape, once, and cached (`_graph`). So that varying micro-batches reuse them, the segment count is
+  shape, once, and cached (`_graph`; the `MAX_GRAPHS` most recently used are kept). So that varying micro-batches reuse them, the segment count is
   rounded up to a multiple of `SEGMENT_ROUND` with empty segments and the longest lengths to a
   multiple of `LENGTH_ROUND`; cuDNN reads each segment's real length from device tensors.
 - the per-segment tensors cuDNN reads (lengths, element offsets) are made once per packed row
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import threading
+from collections import OrderedDict
 
 import torch
 
@@ -36,7 +37,10 @@ MIN_BACKEND = 90600  # cuDNN 9.6: packed (ragged) layouts with bottom-right caus
 _UID = dict(q=1, k=2, v=3, o=4, stats=5, do=6, dq=7, dk=8, dv=9, seq_q=10, seq_k=11, rag_q=12, rag_k=13, rag_stats=14)
 _lock = threading.Lock()
 _tls = threading.local()  # cuDNN handles are per thread
-_graphs: dict[tuple, tuple] = {}
+# Built graphs by shape, least recently used first; at most MAX_GRAPHS are kept (each holds cuDNN's
+# execution plans), so a run whose shapes keep changing rebuilds some instead of growing without bound.
+_graphs: OrderedDict[tuple, tuple] = OrderedDict()
+MAX_GRAPHS = 128
 
 
 def _round(n: int, step: int) -> int:
@@ -186,13 +190,15 @@ def _graph(backward: bool, q: torch.Tensor, k: torch.Tensor, B: int, S_q: int, S
     handle = _handle(cudnn, q.device)
     H, D, Hkv = q.shape[1], q.shape[2], k.shape[1]
     key = (backward, q.dtype, q.device, B, H, Hkv, D, S_q, S_k, scale, total_q, total_k, deterministic, token_major_stats)
-    entry = _graphs.get(key)
-    if entry is None:
-        with _lock:
-            entry = _graphs.get(key)
-            if entry is None:
-                entry = _graphs[key] = _build(cudnn, handle, backward, q.dtype, B, H, Hkv, D, S_q, S_k, scale, total_q, total_k,
-                                              deterministic, token_major_stats)  # fmt: skip
+    with _lock:
+        entry = _graphs.get(key)
+        if entry is not None:
+            _graphs.move_to_end(key)
+            return handle, entry
+        entry = _graphs[key] = _build(cudnn, handle, backward, q.dtype, B, H, Hkv, D, S_q, S_k, scale, total_q, total_k,
+                                      deterministic, token_major_stats)  # fmt: skip
+        while len(_graphs) > MAX_GRAPHS:
+            _graphs.popitem(last=False)
     return handle, entry
 
 
