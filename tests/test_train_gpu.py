@@ -477,25 +477,32 @@ def test_fp32_residual_on_both_sides_narrows_the_rollout_trainer_gap():
     assert gap_wide < 0.85 * gap_narrow, result
 
 
-@gpu
-def test_fa4_matches_flash_on_the_packed_segments():
-    """train.packed_attention=fa4 against flash: the same log-probs and gradients up to bf16 rounding
-    (flash's own backward differs from itself by ~0.5% of a gradient's norm)."""
-    if not _fa4_here():
-        pytest.skip("needs flash-attn-4 and a Hopper or Blackwell GPU")
-    batch = dataclasses.replace(_batch(), packed=True)
+def _assert_kernels_match_flash(batch, kernels, label=None):
+    """Each of `kernels` against flash through the model on the packed `batch`: the same log-probs (mean over
+    response tokens within 2e-3) and parameter gradients (within 2% of each norm) up to bf16 rounding (flash's
+    own backward differs from itself by ~0.5% of a gradient's norm)."""
     results = {}
-    for kernel in ("flash", "fa4"):
+    for kernel in ("flash", *kernels):
         model = _model(torch.bfloat16).train()
         assert enable_packed_attention(model, kernel) == kernel
         lp, ent = response_logprobs(model, batch, with_entropy=True)
         grads = torch.autograd.grad(lp.sum() + ent.sum(), list(model.parameters()))
         results[kernel] = (lp.detach().float(), [g.float() for g in grads])
-    (lp_a, g_a), (lp_b, g_b) = results["flash"], results["fa4"]
+    lp_a, g_a = results["flash"]
     mask = batch.response_mask.bool()
-    assert (lp_a - lp_b)[mask].abs().mean() < 2e-3
-    for x, y in zip(g_b, g_a):
-        assert (x - y).norm() <= 2e-2 * y.norm() + 1e-8
+    for kernel in kernels:
+        lp_b, g_b = results[kernel]
+        assert (lp_a - lp_b)[mask].abs().mean() < 2e-3, (label, kernel)
+        for x, y in zip(g_b, g_a):
+            assert (x - y).norm() <= 2e-2 * y.norm() + 1e-8, (label, kernel)
+
+
+@gpu
+def test_fa4_matches_flash_on_the_packed_segments():
+    """train.packed_attention=fa4 against flash: the same log-probs and gradients up to bf16 rounding."""
+    if not _fa4_here():
+        pytest.skip("needs flash-attn-4 and a Hopper or Blackwell GPU")
+    _assert_kernels_match_flash(dataclasses.replace(_batch(), packed=True), ("fa4",))
 
 
 def _segments(lengths):
@@ -557,21 +564,7 @@ def test_triton_forward_with_flash_backward_matches_flash():
     and log-sum-exp) and triton_full (Triton's backward too) against flash: the same log-probs and
     gradients up to bf16 rounding."""
     pytest.importorskip("triton")
-    batch = dataclasses.replace(_batch(), packed=True)
-    results = {}
-    for kernel in ("flash", "triton", "triton_full"):
-        model = _model(torch.bfloat16).train()
-        assert enable_packed_attention(model, kernel) == kernel
-        lp, ent = response_logprobs(model, batch, with_entropy=True)
-        grads = torch.autograd.grad(lp.sum() + ent.sum(), list(model.parameters()))
-        results[kernel] = (lp.detach().float(), [g.float() for g in grads])
-    lp_a, g_a = results["flash"]
-    mask = batch.response_mask.bool()
-    for kernel in ("triton", "triton_full"):
-        lp_b, g_b = results[kernel]
-        assert (lp_a - lp_b)[mask].abs().mean() < 2e-3, kernel
-        for x, y in zip(g_b, g_a):
-            assert (x - y).norm() <= 2e-2 * y.norm() + 1e-8, kernel
+    _assert_kernels_match_flash(dataclasses.replace(_batch(), packed=True), ("triton", "triton_full"))
 
 
 @pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
@@ -662,22 +655,9 @@ def test_cudnn_matches_flash_on_the_packed_segments():
     gradients up to bf16 rounding; and a second packed row of another shape reuses nothing of the first's metadata."""
     if not _cudnn_here():
         pytest.skip("needs nvidia-cudnn-frontend and cuDNN >= 9.6")
-    results = {}
     for num_prompts in (3, 2):
-        batch = dataclasses.replace(_batch(num_prompts=num_prompts), packed=True)
-        for kernel in ("flash", "cudnn", "cudnn_full"):
-            model = _model(torch.bfloat16).train()
-            assert enable_packed_attention(model, kernel) == kernel
-            lp, ent = response_logprobs(model, batch, with_entropy=True)
-            grads = torch.autograd.grad(lp.sum() + ent.sum(), list(model.parameters()))
-            results[kernel] = (lp.detach().float(), [g.float() for g in grads])
-        lp_a, g_a = results["flash"]
-        mask = batch.response_mask.bool()
-        for kernel in ("cudnn", "cudnn_full"):
-            lp_b, g_b = results[kernel]
-            assert (lp_a - lp_b)[mask].abs().mean() < 2e-3, (num_prompts, kernel)
-            for x, y in zip(g_b, g_a):
-                assert (x - y).norm() <= 2e-2 * y.norm() + 1e-8, (num_prompts, kernel)
+        _assert_kernels_match_flash(dataclasses.replace(_batch(num_prompts=num_prompts), packed=True), ("cudnn", "cudnn_full"),
+                                    label=f"{num_prompts} prompts")  # fmt: skip
 
 
 @gpu

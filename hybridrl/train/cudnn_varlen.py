@@ -127,7 +127,7 @@ def _metadata(cu_q: torch.Tensor, cu_k: torch.Tensor, q: torch.Tensor, k: torch.
     return meta
 
 
-def _tensor(graph, cudnn, name, dim, stride, dtype, ragged=None):
+def _tensor(graph, name, dim, stride, dtype, ragged=None):
     t = graph.tensor(name=name, dim=dim, stride=stride, data_type=dtype, uid=_UID[name])
     if ragged is not None:
         t.set_ragged_offset(ragged)
@@ -141,15 +141,15 @@ def _build(cudnn, handle, backward: bool, dtype: torch.dtype, B: int, H: int, Hk
                       compute_data_type=cudnn.data_type.FLOAT)  # fmt: skip
     i32, i64, f32 = cudnn.data_type.INT32, cudnn.data_type.INT64, cudnn.data_type.FLOAT
     meta = [1, 1, 1, 1]
-    seq_q = _tensor(g, cudnn, "seq_q", [B, 1, 1, 1], meta, i32)
-    seq_k = _tensor(g, cudnn, "seq_k", [B, 1, 1, 1], meta, i32)
-    rag_q = _tensor(g, cudnn, "rag_q", [B + 1, 1, 1, 1], meta, i64)
-    rag_k = _tensor(g, cudnn, "rag_k", [B + 1, 1, 1, 1], meta, i64)
+    seq_q = _tensor(g, "seq_q", [B, 1, 1, 1], meta, i32)
+    seq_k = _tensor(g, "seq_k", [B, 1, 1, 1], meta, i32)
+    rag_q = _tensor(g, "rag_q", [B + 1, 1, 1, 1], meta, i64)
+    rag_k = _tensor(g, "rag_k", [B + 1, 1, 1, 1], meta, i64)
     # Token-major packed layouts: [T, heads, D] seen as [B, heads, S, D]; each segment starts at its ragged offset.
     q_stride, k_stride = [S_q * H * D, D, H * D, 1], [S_k * Hkv * D, D, Hkv * D, 1]
-    q = _tensor(g, cudnn, "q", [B, H, S_q, D], q_stride, io, rag_q)
-    k = _tensor(g, cudnn, "k", [B, Hkv, S_k, D], k_stride, io, rag_k)
-    v = _tensor(g, cudnn, "v", [B, Hkv, S_k, D], k_stride, io, rag_k)
+    q = _tensor(g, "q", [B, H, S_q, D], q_stride, io, rag_q)
+    k = _tensor(g, "k", [B, Hkv, S_k, D], k_stride, io, rag_k)
+    v = _tensor(g, "v", [B, Hkv, S_k, D], k_stride, io, rag_k)
     stats_dim = [B, H, S_q, 1]
     stats_stride = [S_q * H, 1, H, 1] if token_major_stats else [H * S_q, S_q, 1, 1]
     causal = dict(diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT, diagonal_band_right_bound=0)
@@ -161,12 +161,12 @@ def _build(cudnn, handle, backward: bool, dtype: torch.dtype, B: int, H: int, Hk
         o.set_ragged_offset(rag_q)
         stats.set_output(True).set_dim(stats_dim).set_stride(stats_stride).set_data_type(f32).set_uid(_UID["stats"])
         if token_major_stats:  # [Tq, H] packed like q's rows
-            stats.set_ragged_offset(_tensor(g, cudnn, "rag_stats", [B + 1, 1, 1, 1], meta, i64))
+            stats.set_ragged_offset(_tensor(g, "rag_stats", [B + 1, 1, 1, 1], meta, i64))
             uids.append("rag_stats")
     else:
-        o = _tensor(g, cudnn, "o", [B, H, S_q, D], q_stride, io, rag_q)
-        do = _tensor(g, cudnn, "do", [B, H, S_q, D], q_stride, io, rag_q)
-        stats = _tensor(g, cudnn, "stats", stats_dim, stats_stride, f32)
+        o = _tensor(g, "o", [B, H, S_q, D], q_stride, io, rag_q)
+        do = _tensor(g, "do", [B, H, S_q, D], q_stride, io, rag_q)
+        stats = _tensor(g, "stats", stats_dim, stats_stride, f32)
         dq, dk, dv = g.sdpa_backward(name="sdpa_backward", q=q, k=k, v=v, o=o, dO=do, stats=stats, attn_scale=scale,
                                      use_padding_mask=True, seq_len_q=seq_q, seq_len_kv=seq_k,
                                      max_total_seq_len_q=total_q, max_total_seq_len_kv=total_k,
