@@ -107,6 +107,12 @@ def _fa4_here() -> bool:
     return CUDA and fa4_available(torch.device("cuda"), torch.bfloat16, 64)
 
 
+def _cudnn_here() -> bool:
+    from hybridrl.train.cudnn_varlen import available
+
+    return CUDA and available(torch.device("cuda"), torch.bfloat16, 64)
+
+
 @gpu
 @pytest.mark.parametrize("dtype,kernel", [(torch.float32, "flex"), (torch.bfloat16, "flex"), (torch.bfloat16, "flash"), (torch.bfloat16, "fa4"),
                                           (torch.bfloat16, "cudnn"), (torch.bfloat16, "cudnn_full")])  # fmt: skip
@@ -567,6 +573,17 @@ def test_triton_forward_with_flash_backward_matches_flash():
     _assert_kernels_match_flash(dataclasses.replace(_batch(), packed=True), ("triton", "triton_full"))
 
 
+def _assert_no_further_from_reference_than_flash(grads, ref, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale):
+    """Each of `grads` (dq, dk, dv) finite and no further from the fp32 reference gradients `ref` than
+    FlashAttention-2's backward from the same output and `[H, Tq]` log-sum-exp, up to bf16 rounding."""
+    seed, offset = torch.empty(2, dtype=torch.uint64, device=q.device), torch.empty((), dtype=torch.uint64, device=q.device)
+    flash = torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
+    for name, got, want, ref_grad in zip("qkv", grads, flash, ref):
+        assert torch.isfinite(got).all(), name
+        err, flash_err = (got.float() - ref_grad).norm(), (want.float() - ref_grad).norm()
+        assert err <= 1.5 * flash_err + 1e-3 * ref_grad.norm(), (name, err.item(), flash_err.item())
+
+
 @pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(14, 2, 64), (4, 4, 32), (6, 2, 24)])
@@ -590,17 +607,7 @@ def test_triton_varlen_backward_matches_the_reference(dtype, heads, kv_heads, he
         tol = 2e-4 * want.abs().max().item() if dtype == torch.float32 else 3e-2 * want.abs().max().item()
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=0, msg=lambda m, n=name: f"d{n}: {m}")
     if CUDA and dtype == torch.bfloat16:
-        seed, offset = torch.empty(2, dtype=torch.uint64, device=q.device), torch.empty((), dtype=torch.uint64, device=q.device)
-        flash = torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
-        for got, want, ref_grad in zip(grads, flash, ref):
-            # no worse than FlashAttention-2's own distance from the fp32 reference, up to bf16 rounding
-            assert (got.float() - ref_grad).norm() <= 1.5 * (want.float() - ref_grad).norm() + 1e-3 * ref_grad.norm()
-
-
-def _cudnn_here() -> bool:
-    from hybridrl.train.cudnn_varlen import available
-
-    return CUDA and available(torch.device("cuda"), torch.bfloat16, 64)
+        _assert_no_further_from_reference_than_flash(grads, ref, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale)
 
 
 @gpu
@@ -641,12 +648,7 @@ def test_cudnn_varlen_matches_the_reference(heads, kv_heads, head_dim, lengths):
     _, flash_lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
     assert lse_flash_layout.shape == flash_lse.shape and lse_flash_layout.is_contiguous()
     torch.testing.assert_close(lse_flash_layout, flash_lse, atol=2e-2, rtol=0)
-    seed, offset = torch.empty(2, dtype=torch.uint64, device="cuda"), torch.empty((), dtype=torch.uint64, device="cuda")
-    flash = torch.ops.aten._flash_attention_backward(dout, q, k, v, out, flash_lse, cu_q, cu_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
-    for name, got, want, ref_grad in zip("qkv", grads, flash, ref):
-        assert torch.isfinite(got).all(), name
-        err, flash_err = (got.float() - ref_grad).norm(), (want.float() - ref_grad).norm()
-        assert err <= 1.5 * flash_err + 1e-3 * ref_grad.norm(), (name, err.item(), flash_err.item())
+    _assert_no_further_from_reference_than_flash(grads, ref, dout, q, k, v, out, flash_lse, cu_q, cu_k, max_q, max_k, scale)
 
 
 @gpu
