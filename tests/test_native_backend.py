@@ -581,3 +581,16 @@ def test_block_allocator_hands_out_the_ids_a_free_list_did(seed):
     assert new.num_free == num_blocks - 1
     with pytest.raises(AssertionError, match="released twice"):
         new.release([1])
+
+
+def test_cache_size_past_the_attention_offsets_is_refused():
+    """A fixed KV cache whose layers would pass the decode attention's 32-bit offsets is refused with
+    the largest block count that fits (the automatic size is capped there instead)."""
+    from hybridrl.rollout.native.kv_cache import PagedKVCache
+
+    model = _model("qwen2")
+    s = NativeBackend(model, block_size=16).weights.spec
+    most = PagedKVCache.max_blocks(s.num_kv_heads, 16, s.head_dim)
+    assert NativeBackend(model, block_size=16, num_kv_blocks=most)._gpu_num_blocks() == most
+    with pytest.raises(ValueError, match=f"set num_kv_blocks to at most {most:,}"):
+        NativeBackend(model, block_size=16, num_kv_blocks=most + 1)._gpu_num_blocks()

@@ -120,6 +120,28 @@ def test_paged_decode_attention(dtype):
         torch.testing.assert_close(out, ref, **_tol(dtype))
 
 
+def test_decode_attention_refuses_a_cache_past_32_bit_offsets():
+    """The attention loop indexes a layer's cache in 32 bits: a cache one block past that is refused
+    before any launch, with the largest block count that fits; PagedKVCache.max_blocks gives the same."""
+    from hybridrl.rollout.native.kv_cache import PagedKVCache
+
+    hkv, bs, d = 2, 16, 64
+    most = PagedKVCache.max_blocks(hkv, bs, d)
+    assert most * hkv * bs * d <= 2**31 - 1 < (most + 1) * hkv * bs * d
+    q = torch.zeros(1, 14, d, device=DEVICE, dtype=torch.bfloat16)
+    too_big = torch.empty(most + 1, hkv, bs, d, device="meta", dtype=torch.bfloat16)  # no memory behind it
+    bt = torch.zeros(1, 1, device=DEVICE, dtype=torch.int32)
+    ctx = torch.ones(1, device=DEVICE, dtype=torch.int64)
+    with pytest.raises(ValueError, match=f"at most {most:,} blocks"):
+        triton_attention.paged_decode_attention(q, too_big, too_big, bt, ctx, d**-0.5)
+    kv = torch.zeros(1, hkv * d, device=DEVICE, dtype=torch.bfloat16)
+    cos = torch.ones(4, d // 2, device=DEVICE)
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        triton_attention.rope_paged_decode_attention(
+            q.view(1, -1), kv, kv, ctx, cos, cos, None, None, 1e-6, too_big, too_big, bt, d**-0.5
+        )
+
+
 @pytest.mark.parametrize("batch", [1, 7, 300])
 def test_advance_kernel_matches_the_decode_state_bookkeeping(batch):
     """One kernel for a decode step's bookkeeping: record the token and log-prob of each active row

@@ -146,14 +146,23 @@ class NativeBackend:
             torch.cuda.empty_cache()  # a graph's memory pool stays with its graph
 
     def _gpu_num_blocks(self) -> int:
+        s = self.weights.spec
+        limit = PagedKVCache.max_blocks(s.num_kv_heads, self.block_size, s.head_dim)
         if self.num_kv_blocks is not None:
+            if self.num_kv_blocks > limit:
+                raise ValueError(
+                    f"num_kv_blocks={self.num_kv_blocks:,} makes each layer's K and V cache "
+                    f"{self.num_kv_blocks * s.num_kv_heads * self.block_size * s.head_dim:,} elements, more than the "
+                    f"decode kernels' 32-bit offsets reach ({PagedKVCache.MAX_LAYER_ELEMENTS:,}); "
+                    f"set num_kv_blocks to at most {limit:,}"
+                )
             return self.num_kv_blocks
         free, _ = torch.cuda.mem_get_info(self.device)
-        s = self.weights.spec
         per_block = PagedKVCache.bytes_per_block(
             s.num_layers, s.num_kv_heads, self.block_size, s.head_dim, self.weights.dtype
         )
-        return int(self.kv_cache_fraction * free) // per_block
+        # A model with few layers on a large GPU would otherwise size a layer's cache past 32-bit offsets.
+        return min(int(self.kv_cache_fraction * free) // per_block, limit)
 
     def _allocate_cache(self, num_blocks: int) -> None:
         s = self.weights.spec

@@ -76,6 +76,14 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.allocator = BlockAllocator(num_blocks)
 
+    # The Triton decode attention indexes a layer's K (or V) cache with 32-bit element offsets.
+    MAX_LAYER_ELEMENTS = 2**31 - 1
+
+    @staticmethod
+    def max_blocks(num_kv_heads: int, block_size: int, head_dim: int) -> int:
+        """The most blocks a cache can hold with each layer's K (or V) within 32-bit offsets."""
+        return PagedKVCache.MAX_LAYER_ELEMENTS // (num_kv_heads * block_size * head_dim)
+
     @staticmethod
     def bytes_per_block(
         num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype

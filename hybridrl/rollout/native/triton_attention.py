@@ -23,10 +23,11 @@ DEFAULT_TILE = 128
 
 
 @triton.jit
-def _tile_blocks(bt_ptr, bt_stride, row, ctx, start, BS: tl.constexpr, TILE: tl.constexpr):
-    """The cache block of each of the TILE tokens from `start` (0 past ctx)."""
+def _tile_blocks(bt_row, ctx, start, BS: tl.constexpr, TILE: tl.constexpr):
+    """The cache block of each of the TILE tokens from `start` (0 past ctx) in the row's table
+    `bt_row`, as int32: _attend_range's offsets are 32-bit (_check_offsets)."""
     tok = start + tl.arange(0, TILE)
-    return tl.load(bt_ptr + row * bt_stride + tok // BS, mask=tok < ctx, other=0).to(tl.int64)
+    return tl.load(bt_row + tok // BS, mask=tok < ctx, other=0)
 
 
 @triton.jit
@@ -67,7 +68,7 @@ def _softmax_update(q, k_ptr, v_ptr, kv_off, key_mask, score_mask, m_i, l_i, acc
 
 @triton.jit
 def _attend_step(
-    q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, hi, start, block, m_i, l_i, acc, scale_log2,
+    q, k_ptr, v_ptr, bt_row, kvh, hi, start, block, m_i, l_i, acc, scale_log2,
     HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):  # fmt: skip
@@ -75,9 +76,9 @@ def _attend_step(
     cache blocks of the next tile: with PREFETCH, `block` holds this tile's (read an iteration
     earlier) and the next tile's are read now; otherwise this tile's are read here."""
     if PREFETCH:
-        following = _tile_blocks(bt_ptr, bt_stride, row, hi, start + TILE, BS, TILE)
+        following = _tile_blocks(bt_row, hi, start + TILE, BS, TILE)
     else:
-        block = _tile_blocks(bt_ptr, bt_stride, row, hi, start, BS, TILE)
+        block = _tile_blocks(bt_row, hi, start, BS, TILE)
         following = block
     m_i, l_i, acc = _attend_blocks(q, k_ptr, v_ptr, block, kvh, hi, start, m_i, l_i, acc, scale_log2, HKV, D, BS, TILE, IEEE)
     return m_i, l_i, acc, following
@@ -94,23 +95,38 @@ def _attend_range(
     the loop carries in, not on a load of the same iteration. Triton's CPU interpreter cannot loop
     to a run-time bound: there, it loops over SPAN (>= hi - lo) tokens from lo; tiles past hi are
     fully masked and leave the softmax state unchanged."""
+    # Token indices and cache offsets in 32 bits (a tile's gather is ~a third fewer instructions than
+    # in 64; the wrappers check that a layer's cache fits); the row's table pointer is formed once.
+    bt_row = bt_ptr + row * bt_stride
+    lo = tl.cast(lo, tl.int32)
+    hi = tl.cast(hi, tl.int32)
     if PREFETCH:
-        block = _tile_blocks(bt_ptr, bt_stride, row, hi, lo, BS, TILE)
+        block = _tile_blocks(bt_row, hi, lo, BS, TILE)
     else:
-        block = tl.zeros([TILE], tl.int64)  # replaced by each step's own read before any use
+        block = tl.zeros([TILE], tl.int32)  # replaced by each step's own read before any use
     if DYNAMIC_LOOP:
         for start in range(lo, hi, TILE):
             m_i, l_i, acc, block = _attend_step(
-                q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, hi, start, block, m_i, l_i, acc, scale_log2,
+                q, k_ptr, v_ptr, bt_row, kvh, hi, start, block, m_i, l_i, acc, scale_log2,
                 HKV, D, BS, TILE, IEEE, PREFETCH,
             )  # fmt: skip
     else:
         for start in tl.static_range(0, SPAN, TILE):
             m_i, l_i, acc, block = _attend_step(
-                q, k_ptr, v_ptr, bt_ptr, bt_stride, row, kvh, hi, lo + start, block, m_i, l_i, acc, scale_log2,
+                q, k_ptr, v_ptr, bt_row, kvh, hi, lo + start, block, m_i, l_i, acc, scale_log2,
                 HKV, D, BS, TILE, IEEE, PREFETCH,
             )  # fmt: skip
     return m_i, l_i, acc
+
+
+def _check_offsets(k_cache: torch.Tensor) -> None:
+    """_attend_range addresses a layer's cache [num_blocks, Hkv, bs, D] with 32-bit offsets."""
+    if k_cache.numel() > 2**31 - 1:
+        raise ValueError(
+            f"a layer's KV cache of {k_cache.numel():,} elements ({tuple(k_cache.shape)}) is past the decode "
+            f"attention's 32-bit offsets; allocate at most {(2**31 - 1) // k_cache[0].numel():,} blocks "
+            "(kv_cache.PagedKVCache.max_blocks)"
+        )
 
 
 @triton.jit
@@ -373,6 +389,7 @@ def paged_decode_attention(
     kv_table: tuple[torch.Tensor, torch.Tensor] | None = None,  # CacheAddresses.layer(): the cache found through it
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
+    _check_offsets(k_cache)
     k_arg, v_arg, table = _cache_args(k_cache, v_cache, kv_table)
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -454,6 +471,7 @@ def rope_paged_decode_attention(
 ) -> torch.Tensor:
     """triton_kernels.qk_rope_write_kv followed by paged_decode_attention (no split, no shared
     prefix), in one kernel; returns [B, Hq * D]."""
+    _check_offsets(k_cache)
     k_arg, v_arg, table = _cache_args(k_cache, v_cache, kv_table)
     batch, half, head_dim, num_heads, num_kv_heads = _rope_shapes(q, k, v, cos)
     group = num_heads // num_kv_heads
