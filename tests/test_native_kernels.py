@@ -142,6 +142,52 @@ def test_decode_attention_refuses_a_cache_past_32_bit_offsets():
         )
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="two 4 GiB caches: too large for the interpreter")
+def test_cache_kernels_reach_the_last_block_of_a_32_bit_cache():
+    """Blocks at the very top of the largest cache 32-bit offsets allow (each layer's K and V ~4 GiB)
+    are written and read exactly as the same blocks of a small cache: the decode attention (with and
+    without splits), the fused rotary + cache write + attention in the engine's settings, and the
+    rotary cache write alone give bit-identical results on both. (The refusal one block past it:
+    test_decode_attention_refuses_a_cache_past_32_bit_offsets.)"""
+    from hybridrl.rollout.native.kv_cache import PagedKVCache
+    from hybridrl.rollout.native.ops_triton import TritonOps
+
+    hq, hkv, d, bs, mb = 14, 2, 64, 16, 9
+    most = PagedKVCache.max_blocks(hkv, bs, d)
+    need = 2 * most * hkv * bs * d * 2 + (1 << 30)
+    if torch.cuda.mem_get_info()[0] < need:
+        pytest.skip(f"needs {need / 2**30:.1f} GiB of free GPU memory")
+    g = torch.Generator().manual_seed(13)
+    pos, q, k, v, cos, sin, small_bt = _decode_step_inputs(g, torch.bfloat16, hq, hkv, d, 50, mb)
+    used = small_bt.flatten().unique()  # the small cache's blocks these rows use
+    # The big cache's block for each used one: the topmost blocks, the last one (most - 1) included.
+    top = torch.arange(most - 1, most - 1 - used.numel(), -1, device=DEVICE, dtype=torch.int32)
+    remap = torch.zeros(50, device=DEVICE, dtype=torch.int32)
+    remap[used.long()] = top
+    big_bt = remap[small_bt.long()]
+    small = [torch.randn(50, hkv, bs, d, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2)]
+    big = [torch.empty(most, hkv, bs, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
+    assert big[0].numel() <= PagedKVCache.MAX_LAYER_ELEMENTS < big[0].numel() + hkv * bs * d
+    for b, s in zip(big, small):
+        b[top.long()] = s[used.long()]
+
+    def run(caches, bt):
+        kc, vc = (c.clone() if c.shape[0] == 50 else c for c in caches)
+        outs = [triton_kernels.qk_rope_write_kv(q, k, v, pos, cos, sin, None, None, 1e-6, kc, vc, bt)]
+        for split in (0, 64):
+            outs.append(triton_attention.paged_decode_attention(outs[0], kc, vc, bt, pos + 1, d**-0.5, tile=64, split_tokens=split))
+        outs.append(TritonOps().rope_decode_attention(q, k, v, pos, cos, sin, None, None, 1e-6, kc, vc, bt, d**-0.5))
+        return outs + [kc, vc]
+
+    want = run(small, small_bt)
+    got = run(big, big_bt)
+    for name, a, b in zip(["rotated q", "attention", "split attention", "fused attention"], got, want):
+        assert torch.equal(a, b), name
+    for name, b, s in zip("KV", got[-2:], want[-2:]):
+        assert torch.equal(b[top.long()], s[used.long()]), f"{name} cache"
+    assert want[1].float().abs().sum() > 0
+
+
 @pytest.mark.parametrize("batch", [1, 7, 300])
 def test_advance_kernel_matches_the_decode_state_bookkeeping(batch):
     """One kernel for a decode step's bookkeeping: record the token and log-prob of each active row
