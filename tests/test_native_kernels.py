@@ -172,7 +172,7 @@ def test_cache_kernels_reach_the_last_block_of_a_32_bit_cache():
         b[top.long()] = s[used.long()]
 
     def run(caches, bt):
-        kc, vc = (c.clone() if c.shape[0] == 50 else c for c in caches)
+        kc, vc = caches
         outs = [triton_kernels.qk_rope_write_kv(q, k, v, pos, cos, sin, None, None, 1e-6, kc, vc, bt)]
         for split in (0, 64):
             outs.append(triton_attention.paged_decode_attention(outs[0], kc, vc, bt, pos + 1, d**-0.5, tile=64, split_tokens=split))
