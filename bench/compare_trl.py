@@ -52,8 +52,9 @@ from pathlib import Path
 
 import torch
 
-HBM_BYTES_PER_S = 4.0e12  # measured device-to-device copy on the H200 (BENCHMARK.md)
-MEASURED_BF16_FLOPS = 790e12  # measured large bf16 matmul on the H200 (BENCHMARK.md)
+# The GPU's limits behind the physical bound: BENCHMARK.md's, measured on the H200 its figures are for (a
+# device-to-device copy, a large bf16 matmul). Any other GPU gets its own measured (`device_limits`).
+H200_LIMITS = {"hbm_bytes_per_s": 4.0e12, "bf16_flops": 790e12, "source": "BENCHMARK.md's H200 figures"}
 SPECIAL = ["<|pad|>", "<|endoftext|>", "<|unk|>"]
 
 
@@ -128,9 +129,12 @@ def load_tokenizer(model_dir: Path):
     )  # fmt: skip
 
 
-def physical_bound_s(w: Workload, num_params: int, weight_bytes: int) -> float:
-    """Decode reads the weights and the KV cache once per step; training is 8 N T FLOPs (6 policy, 2 reference)."""
-    if w.size == "0.5B":
+def physical_bound_s(w: Workload, num_params: int, weight_bytes: int, limits: dict = H200_LIMITS) -> float:
+    """Decode reads the weights and the KV cache once per step; training is 8 N T FLOPs (6 policy, 2 reference).
+
+    `limits`: the GPU's copy bandwidth and bf16 matmul rate (`device_limits`); W0.5B on the H200 is BENCHMARK.md's own
+    1.35 s."""
+    if w.size == "0.5B" and limits is H200_LIMITS:
         return 1.35  # BENCHMARK.md
     from hybridrl.models.synthetic import SHAPES
 
@@ -138,9 +142,49 @@ def physical_bound_s(w: Workload, num_params: int, weight_bytes: int) -> float:
     head_dim = s["hidden_size"] // s["num_attention_heads"]
     kv_per_token = 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * head_dim * 2
     mean_context = w.prompt_len + w.max_tokens / 2
-    decode = w.max_tokens * (weight_bytes + w.responses * mean_context * kv_per_token) / HBM_BYTES_PER_S
-    train = 8 * num_params * w.responses * (w.prompt_len + w.max_tokens) / MEASURED_BF16_FLOPS
+    decode = w.max_tokens * (weight_bytes + w.responses * mean_context * kv_per_token) / limits["hbm_bytes_per_s"]
+    train = 8 * num_params * w.responses * (w.prompt_len + w.max_tokens) / limits["bf16_flops"]
     return decode + train
+
+
+def device_limits(name: str) -> dict:
+    """The limits of the GPU called `name` for the physical bound: BENCHMARK.md's on an H200, else measured here.
+
+    BENCHMARK.md's bound (and its TRL figures and 1.9 s target) are an H200's; on another GPU (an H100: ~30% less
+    memory bandwidth) a fraction of the H200's bound would say nothing about this GPU."""
+    if "H200" in name:
+        return H200_LIMITS
+    measured = measure_device_limits()
+    return dict(measured, source=f"measured on this GPU: {measured['hbm_bytes_per_s'] / 1e12:.2f} TB/s copy, "
+                                 f"{measured['bf16_flops'] / 1e12:.0f} TFLOP/s bf16 matmul")  # fmt: skip
+
+
+def measure_device_limits(copy_bytes: int = 1 << 30, n: int = 8192, repeats: int = 10) -> dict:
+    """This GPU's device-to-device copy rate (bytes read + written per second) and large bf16 matmul rate, best of
+    `repeats`, as BENCHMARK.md measured the H200's. Run after both halves, so it takes none of their memory."""
+
+    def best_s(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return min(times)
+
+    src = torch.zeros(copy_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    hbm = 2 * copy_bytes / best_s(lambda: dst.copy_(src))
+    del src, dst
+    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    flops = 2 * n**3 / best_s(lambda: a @ b)
+    del a, b
+    torch.cuda.empty_cache()
+    return {"hbm_bytes_per_s": hbm, "bf16_flops": flops}
 
 
 # ---- the two halves -------------------------------------------------------------------------------
@@ -587,21 +631,28 @@ def print_table(result: dict) -> None:
         mem = result.get("memory_ratio")
         print(f"| TRL / hybridrl | {result['speedup']:.1f}x shorter | {result['tokens_per_s_ratio']:.1f}x | "
               f"{_fmt(mem, '.0%')} of TRL's |")  # fmt: skip
+    device = result.get("device")
+    other_gpu = device not in (None, "cpu") and "H200" not in device  # BENCHMARK.md's figures and target are an H200's
     if "against_benchmark_md" in result:
         ref = result["against_benchmark_md"]
         target = f"; the target is {ref['target_step_time_s']} s" if ref["target_step_time_s"] else ""
+        if other_gpu:
+            target += f" (BENCHMARK.md's figures are one H200's; this call ran on {device})"
         print(f"\nagainst BENCHMARK.md's TRL figures ({ref['trl_step_time_s']} s, {ref['trl_peak_allocated_gib']} GiB): "
               f"{ref['speedup']:.1f}x shorter, {ref['memory_ratio']:.0%} of its memory{target}")  # fmt: skip
     if "targets" in result:
         t = result["targets"]
         met = lambda k: "met" if t[k]["met"] else "not met"  # noqa: E731
-        line = (f"targets: step {t['step_time_s']['value']:.2f} s against <= {t['step_time_s']['line']} s: {met('step_time_s')}; "
+        h200 = " (an H200's target)" if other_gpu else ""
+        line = (f"targets: step {t['step_time_s']['value']:.2f} s against <= {t['step_time_s']['line']} s{h200}: {met('step_time_s')}; "
                 f"{t['speedup']['value']:.1f}x shorter than this call's TRL against >= {t['speedup']['line']:.0f}x: {met('speedup')}")  # fmt: skip
         if "memory_ratio" in t:
             line += f"; {t['memory_ratio']['value']:.0%} of its peak against <= {t['memory_ratio']['line']:.0%}: {met('memory_ratio')}"
         print(line)
     if "hybridrl_fraction_of_bound" in result:
-        print(f"\nhybridrl step at {result['hybridrl_fraction_of_bound']:.0%} of the physical bound ({result['physical_bound_s']:.2f} s)")
+        source = result.get("physical_bound_limits", {}).get("source")
+        print(f"\nhybridrl step at {result['hybridrl_fraction_of_bound']:.0%} of the physical bound ({result['physical_bound_s']:.2f} s"
+              + (f"; {source})" if source else ")"))  # fmt: skip
     if "phases_s" in h:
         phases = ", ".join(f"{k} {v:.3f}" for k, v in h["phases_s"].items())
         print(f"hybridrl phases (s, mean after the first step): {phases}")
@@ -695,13 +746,17 @@ def main(argv: list[str] | None = None) -> dict:
             extra = {name: run(args.set + items) for name, items in variants}
             trl = {"skipped": missing} if missing else run_half("trl", w, model_dir, prompts[: w.prompts * args.trl_steps * 2], args.trl_steps, device,
                                                                 checkpointing=checkpointing)  # fmt: skip
-    bound = physical_bound_s(w, h["num_params"], h["weight_bytes"]) if device == "cuda" and "num_params" in h else None
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    limits = device_limits(device_name) if device == "cuda" and "num_params" in h else None
+    bound = physical_bound_s(w, h["num_params"], h["weight_bytes"], limits) if limits else None
     result = summarise(w, h, trl, bound)
     result["variants"] = {name: summarise(w, v, trl, bound) for name, v in extra.items()}
     for r in (result, *result["variants"].values()):
         r["gradient_checkpointing"] = args.gradient_checkpointing if device == "cuda" else None
         r["host_delay_ms"] = args.host_delay_ms  # hybridrl's host slept this long before each training micro-batch
-    result["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+        r["device"] = device_name
+        if limits:
+            r["physical_bound_limits"] = limits
     print_table(result)
     for name, v in result["variants"].items():
         print(f"\n--- variant {name}: {' '.join(v['hybridrl'].get('overrides', []))}")

@@ -111,6 +111,43 @@ def test_compare_trl_table_sets_hybridrl_against_benchmark_md_too(capsys):
     assert "against_benchmark_md" not in compare_trl.summarise(compare_trl.workload("0.5B"), {"step_time_s": 2.5, "response_tokens_per_step": 1.0, "peak_allocated_gib": None}, {}, bound_s=None)
 
 
+def test_compare_trl_physical_bound_is_the_gpu_it_ran_on(monkeypatch, capsys):
+    """BENCHMARK.md's bound (1.35 s at W0.5B), TRL figures and 1.9 s target are one H200's. On another GPU the
+    bound comes from that GPU's measured copy and matmul rates, and the table says whose figures it sets against."""
+    compare_trl = bench_script("compare_trl")
+    w05, w15 = compare_trl.workload("0.5B"), compare_trl.workload("1.5B")
+    n05, b05, n15, b15 = 494_032_768, 988_065_536, 1_543_714_304, 3_087_428_608  # the synthetic models' (compare_trl's JSON)
+    assert compare_trl.device_limits("NVIDIA H200") is compare_trl.H200_LIMITS
+    assert compare_trl.physical_bound_s(w05, n05, b05, compare_trl.H200_LIMITS) == 1.35
+    h200_15 = compare_trl.physical_bound_s(w15, n15, b15, compare_trl.H200_LIMITS)
+    assert h200_15 == pytest.approx(3.95, abs=0.01)  # the figure the W1.5B tables have printed since session 20
+    # The formula gives BENCHMARK.md's own 1.35 s for W0.5B at the H200's rates (within its rounding)
+    h200_05 = compare_trl.physical_bound_s(w05, n05, b05, dict(compare_trl.H200_LIMITS))
+    assert h200_05 == pytest.approx(1.35, abs=0.05)
+    # An H100's measured rates: the bound follows them (decode by the bandwidth, training by the matmul rate)
+    h100 = {"hbm_bytes_per_s": 3.0e12, "bf16_flops": 700e12}
+    monkeypatch.setattr(compare_trl, "measure_device_limits", lambda: dict(h100))
+    limits = compare_trl.device_limits("NVIDIA H100 80GB HBM3")
+    assert limits["source"] == "measured on this GPU: 3.00 TB/s copy, 700 TFLOP/s bf16 matmul"
+    slow_copy = compare_trl.physical_bound_s(w05, n05, b05, dict(h100, bf16_flops=790e12))
+    assert slow_copy > h200_05 and compare_trl.physical_bound_s(w05, n05, b05, limits) > slow_copy
+    bound = compare_trl.physical_bound_s(w05, n05, b05, limits)
+    h = {"step_time_s": 2.67, "response_tokens_per_step": 131072.0, "peak_allocated_gib": 6.2}
+    trl = {"step_time_s": 25.76, "response_tokens_per_step": 131072.0, "peak_allocated_gib": 13.2}
+    result = compare_trl.summarise(w05, h, trl, bound)
+    result.update(device="NVIDIA H100 80GB HBM3", physical_bound_limits=limits)
+    compare_trl.print_table(result)
+    out = capsys.readouterr().out
+    assert f"of the physical bound ({bound:.2f} s; measured on this GPU: 3.00 TB/s copy, 700 TFLOP/s bf16 matmul)" in out
+    assert "targets: step 2.67 s against <= 1.9 s (an H200's target): not met" in out
+    assert "(BENCHMARK.md's figures are one H200's; this call ran on NVIDIA H100 80GB HBM3)" in out
+    result.update(device="NVIDIA H200", physical_bound_limits=compare_trl.H200_LIMITS, hybridrl_fraction_of_bound=1.35 / 2.67,
+                  physical_bound_s=1.35)  # fmt: skip
+    compare_trl.print_table(result)
+    out = capsys.readouterr().out
+    assert "of the physical bound (1.35 s; BENCHMARK.md's H200 figures)" in out and "an H200's target" not in out
+
+
 def test_tiny_learning_bench_evaluates_at_its_marks(tmp_path):
     tiny_learning = bench_script("tiny_learning")
     out = tmp_path / "curve.json"
