@@ -162,19 +162,9 @@ def device_limits(name: str) -> dict:
 def measure_device_limits(copy_bytes: int = 1 << 30, n: int = 8192, repeats: int = 10) -> dict:
     """This GPU's device-to-device copy rate (bytes read + written per second) and large bf16 matmul rate, best of
     `repeats`, as BENCHMARK.md measured the H200's. Run after both halves, so it takes none of their memory."""
+    from hybridrl.kernels.cublaslt import time_eager_us
 
-    def best_s(fn) -> float:
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return min(times)
+    best_s = lambda fn: time_eager_us(fn, reps=1, rounds=repeats) / 1e6  # noqa: E731  (each call ~0.5 ms and up)
 
     src = torch.zeros(copy_bytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
