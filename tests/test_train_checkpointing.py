@@ -11,7 +11,7 @@ import transformers
 from hybridrl.config import ConfigError, TrainConfig, load_config
 from hybridrl.train.batch import build_sequence_batch
 from hybridrl.train.logprobs import response_logprobs
-from hybridrl.train.setup import compile_layers, prepare_for_training
+from hybridrl.train.setup import compile_layers, enable_activation_checkpointing, prepare_for_training
 
 
 def _model():
@@ -47,6 +47,36 @@ def _grads(checkpointing: bool, layers: int | None, *, groups: int = 0):
     lp, _ = response_logprobs(model, _batch())
     (lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum().backward()
     return calls, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_checkpointing_is_enabled_under_the_current_method_name_without_a_deprecation_warning(recwarn):
+    """transformers after 5.17 renamed gradient_checkpointing_enable to activation_checkpointing_enable (the old
+    name warns, and goes in v6)."""
+    if not hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable"):
+        pytest.skip("this transformers has only gradient_checkpointing_enable")
+    model = _model()
+    calls = _mlp_calls(model)
+    enable_activation_checkpointing(model)
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    lp, _ = response_logprobs(model, _batch())
+    lp.sum().backward()
+    assert calls == [2] * 4  # each layer runs again in the backward
+    assert not [w for w in recwarn if "checkpointing_enable" in str(w.message)]
+
+
+def test_checkpointing_falls_back_to_the_old_method_name():
+    """transformers 5.17 (the GPU image's) has only gradient_checkpointing_enable."""
+
+    class OldModel:
+        def __init__(self):
+            self.calls = []
+
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            self.calls.append(gradient_checkpointing_kwargs)
+
+    model = OldModel()
+    enable_activation_checkpointing(model)
+    assert model.calls == [{"use_reentrant": False}]
 
 
 @pytest.mark.parametrize("layers", [0, 2, 4])

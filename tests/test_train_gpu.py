@@ -295,7 +295,7 @@ def test_flash_is_as_close_to_exact_as_flex_eager_and_compiled():
     """bf16 packed log-probs and gradients with flash (and triton) are as close to the fp32 model's as flex's are,
     eager, in compiled decoder layers and in compiled groups of layers with gradient checkpointing
     (train.compile, train.compile_layers_per_graph), over micro-batches of changing shapes."""
-    from hybridrl.train.setup import compile_layers
+    from hybridrl.train.setup import compile_layers, enable_activation_checkpointing
 
     shapes = ((3, 4), (2, 3), (4, 2))  # three packed shapes: the compiled layers must follow them
     batches = [dataclasses.replace(_batch(p, n), packed=True) for p, n in shapes]
@@ -317,7 +317,7 @@ def test_flash_is_as_close_to_exact_as_flex_eager_and_compiled():
             model = _model(torch.bfloat16).train()
             assert enable_packed_attention(model, kernel) == kernel
             if compiled == 2:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                enable_activation_checkpointing(model)
             if compiled:
                 compile_layers(model, compiled)
             errs = []

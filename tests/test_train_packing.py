@@ -240,7 +240,7 @@ def test_compiled_layer_groups_match_the_eager_model_with_checkpointing(determin
     keys' gradient goes through gather_rows' ordered sum, in both."""
     import transformers
 
-    from hybridrl.train.setup import compile_layers
+    from hybridrl.train.setup import compile_layers, enable_activation_checkpointing
 
     torch.use_deterministic_algorithms(deterministic)  # conftest restores the mode after the test
 
@@ -251,7 +251,7 @@ def test_compiled_layer_groups_match_the_eager_model_with_checkpointing(determin
     def run(compiled: bool):
         torch.manual_seed(0)
         model = transformers.Qwen2ForCausalLM(config).train()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
         enable_packed_attention(model, "flash")
         names = list(model.state_dict())
         if compiled:

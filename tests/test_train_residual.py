@@ -14,6 +14,7 @@ from hybridrl.rollout.types import GenerationRequest
 from hybridrl.train.batch import build_sequence_batch
 from hybridrl.train.logprobs import response_logprobs
 from hybridrl.train.residual import RMSNormToWeightDtype, enable_fp32_residual, has_fp32_residual
+from hybridrl.train.setup import enable_activation_checkpointing
 
 VOCAB = 1000
 
@@ -93,7 +94,7 @@ def test_fp32_model_is_left_alone():
 def test_gradients_and_reference_copy():
     model, _ = _models()
     enable_fp32_residual(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model)
     model.train()
     ref = copy.deepcopy(model)  # the trainer's frozen reference copy keeps the fp32 stream
     assert has_fp32_residual(ref) and isinstance(ref.model.layers[3].post_attention_layernorm, RMSNormToWeightDtype)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import warnings
 
 import torch
 
@@ -26,10 +25,7 @@ def prepare_for_training(
     costs more than the padding it saves on short sequences).
     """
     if gradient_checkpointing:
-        with warnings.catch_warnings():  # renamed activation_checkpointing_enable after 5.17, which has only this name
-            warnings.simplefilter("ignore", FutureWarning)
-            # Non-reentrant: works with frozen inputs and keyword arguments (the packed attention mask).
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
         # transformers also hooks the input embeddings so that their output requires grad, which only
         # reentrant checkpointing of frozen embeddings needs. The hook sets it even under no_grad (the
         # reference pass, a frozen copy of this model), where the first layer group's input then
@@ -57,6 +53,21 @@ def _decoder_layers(model: torch.nn.Module, fix: str) -> tuple[torch.nn.Module, 
     if not isinstance(layers, torch.nn.ModuleList):
         raise ConfigError(f"{type(model).__name__} has no `{model.base_model_prefix}.layers`: {fix}")
     return base, layers
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer of an HF model.
+
+    Non-reentrant works with frozen inputs and keyword arguments (the packed attention mask).
+    transformers after 5.17 names the method `activation_checkpointing_enable` and keeps
+    `gradient_checkpointing_enable` as a deprecated alias until v6; 5.17 has only the old name.
+    """
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def checkpoint_first_layers(model: torch.nn.Module, n: int) -> None:
