@@ -74,7 +74,7 @@ def test_non_finite_loss_skips_the_update_and_leaves_optimizer_and_schedule_unto
     assert records[1]["actor/grad_norm"] is None and records[1]["actor/lr"] == records[2]["actor/lr"]
 
 
-def test_consecutive_non_finite_steps_abort_with_a_clear_message(tmp_path, arith_data, monkeypatch, capsys):
+def test_consecutive_non_finite_steps_abort_with_a_clear_message(tmp_path, arith_data, monkeypatch, capsys, recwarn):
     cfg = config(tmp_path, arith_data, **{"train.max_skipped_steps": 2, "train.total_steps": 5})
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(yaml.safe_dump(to_dict(cfg)))
@@ -91,6 +91,8 @@ def test_consecutive_non_finite_steps_abort_with_a_clear_message(tmp_path, arith
     assert "error: 2 consecutive steps had NaN/inf losses or gradients, so training stopped (train.max_skipped_steps)" in err
     assert "Lower train.lr" in err and "Traceback" not in err
     assert [r["train/skipped_steps"] for r in read_records(tmp_path / "run" / "metrics.jsonl")] == [1]
+    # The LR schedule still advances over skipped updates, without torch's warning about the call order.
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
 
 
 # ---- out of memory ----------------------------------------------------------------------------
