@@ -17,6 +17,7 @@ from hybridrl.cli.main import main
 from hybridrl.config import to_dict
 from hybridrl.metrics import MetricsWriteError, read_records
 from hybridrl.train import oom, update
+from hybridrl.train.optim import build_optimizer, build_scheduler, lr_lambda, step_schedule
 
 FAST = {"data.eval_path": "null", "trainer.save_every": 0, "train.batch_size": 16, "train.micro_batch_size": 8}
 
@@ -92,6 +93,17 @@ def test_consecutive_non_finite_steps_abort_with_a_clear_message(tmp_path, arith
     assert "Lower train.lr" in err and "Traceback" not in err
     assert [r["train/skipped_steps"] for r in read_records(tmp_path / "run" / "metrics.jsonl")] == [1]
     # The LR schedule still advances over skipped updates, without torch's warning about the call order.
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+
+
+def test_schedule_steps_over_a_skipped_first_update_without_a_call_order_warning(recwarn):
+    """The shared mechanism behind the RL epochs and the offline (SFT / DPO / KTO) step."""
+    model = torch.nn.Linear(4, 4)
+    opt = build_optimizer(model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    sched = build_scheduler(opt, warmup_steps=4, total_steps=10, schedule="constant")
+    step_schedule(sched)  # no optimizer.step(): the step's only update was skipped
+    assert sched.last_epoch == 1
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * lr_lambda(1, warmup_steps=4, total_steps=10, schedule="constant", min_lr_ratio=0.0))
     assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
 
 

@@ -5,13 +5,13 @@ Shared by the actor and the critic; each supplies only its loss.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
 import torch
 
 from hybridrl.config import TrainConfig
 from hybridrl.train.batch import SequenceBatch
+from hybridrl.train.optim import step_schedule
 from hybridrl.train.packing import Work, micro_batch_work, micro_batches
 from hybridrl.train.update import StepResult, mean_metrics, optimizer_step
 
@@ -51,10 +51,5 @@ def update_epochs(
     # Part of the `timing/train` phase, on the host's clock (StepResult.issue_s). Close to that phase's
     # time on a GPU it does not by itself say the host limits it: a full launch queue holds the host back too.
     metrics[f"timing/train/{prefix}_host_issue"] = sum(r.issue_s for r in results)
-    with warnings.catch_warnings():
-        # The schedule follows training steps, skipped (non-finite) updates included, so that it stays where a
-        # resumed run expects it. When every update so far was skipped, torch reads that as calling the two in
-        # the wrong order and warns; the trainer reports the skipped updates itself (a warning, `train/skipped_steps`).
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
-        scheduler.step()
+    step_schedule(scheduler)
     return metrics, sum(r.skipped for r in results), work

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -55,6 +56,19 @@ def build_scheduler(optimizer, *, warmup_steps: int, total_steps: int, schedule:
         optimizer,
         lambda step: lr_lambda(step, warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule, min_lr_ratio=min_lr_ratio),
     )
+
+
+def step_schedule(scheduler) -> None:
+    """Advances the LR schedule by one training step, whether or not the step's update was applied.
+
+    The schedule follows training steps, skipped (non-finite) updates included, so that it stays where a
+    resumed run expects it. When every update so far was skipped, torch reads that as calling the two in
+    the wrong order and warns; the trainer reports the skipped updates itself (a warning,
+    `train/skipped_steps`).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
+        scheduler.step()
 
 
 def grad_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hybridrl.train.optim import step_schedule
 from hybridrl.train.update import optimizer_step
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ def offline_step(t: "TrainerEngine", examples: list) -> dict[str, Any]:
         )
         t.model.eval()
     lr = t.optimizer.param_groups[0]["lr"]
-    t.scheduler.step()
+    step_schedule(t.scheduler)
     num_tokens = sum(_num_tokens(ex) for ex in examples)
     return {
         **result.metrics,
