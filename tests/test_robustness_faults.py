@@ -130,9 +130,11 @@ def test_training_micro_batch_oom_is_retried_with_halved_micro_batches(tmp_path,
     trainer.fit()
     assert sizes[:2] == [[8, 8], [4, 4, 4, 4]]
     assert [r["train/oom_retries"] for r in read_records(trainer.metrics.path)] == [1, 1]
-    # The same gradient, summed in another order: equal up to float rounding.
+    # The same gradient, summed in another order: equal up to float rounding. On a GPU the weights are bf16,
+    # where that rounding can move a weight by one bf16 step; on CPU they are fp32.
     for (name, a), b in zip(reference.model.state_dict().items(), trainer.model.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+        tol = dict(rtol=2**-7, atol=1e-5) if a.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, **tol, msg=name)
 
 
 def test_rollout_oom_generates_in_more_parts(tmp_path, arith_data, monkeypatch):
@@ -225,7 +227,9 @@ def test_full_disk_during_metrics_write_is_a_clear_error(tmp_path, arith_data, m
 # ---- preemption, in-process -------------------------------------------------------------------
 
 def test_sigterm_past_the_grace_period_abandons_the_step_exactly(tmp_path, arith_data, monkeypatch):
-    extra = {"train.total_steps": 4, "trainer.preemption_grace_s": 0.2}
+    # deterministic: on a GPU a resumed run matches a straight one bit for bit only with deterministic kernels
+    # (README, "What a run writes"); on CPU it changes nothing.
+    extra = {"train.total_steps": 4, "trainer.preemption_grace_s": 0.2, "train.deterministic": True}
     straight = build_trainer(config(tmp_path / "a", arith_data, **extra))
     straight.fit()
 
