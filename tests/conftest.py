@@ -93,6 +93,11 @@ def arith_data(tmp_path_factory) -> dict[str, Path]:
     return write_arith_dataset(out, num_train=2000, num_test=200, seed=0)
 
 
+# For tests that compare two runs bit for bit (a resumed one with a straight one): on a GPU that needs torch's
+# deterministic kernels (README, "What a run writes"); on CPU it changes nothing.
+BIT_EXACT = {"train.deterministic": True}
+
+
 def small_config(tmp_path: Path, arith_data, **overrides):
     """A fast GRPO config on the tiny model; override with dotted keys, e.g. {"train.lr": 1e-4}."""
     from hybridrl.config import load_config

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import small_config
+from conftest import BIT_EXACT, small_config
 from hybridrl.checkpoint import CheckpointError, CheckpointManager, export_checkpoint
 from hybridrl.cli.commands import build_trainer
 from hybridrl.metrics import read_records
@@ -115,9 +115,7 @@ def test_training_on_weights_fused_in_place(tmp_path, arith_data):
     update (log-probs match the trainer's), resume is bit-exact and the export loads in transformers."""
     from hybridrl.rollout.native.fused import span
 
-    # deterministic: bit for bit on a GPU too (README, "What a run writes"); on CPU it changes nothing.
-    extra = {"rollout.backend": "native", "train.total_steps": 4, "trainer.eval_every": 0, "train.lr": 1e-3,
-             "train.deterministic": True}
+    extra = {"rollout.backend": "native", "train.total_steps": 4, "trainer.eval_every": 0, "train.lr": 1e-3, **BIT_EXACT}
     straight = _fused_trainer(small_config(tmp_path / "a", arith_data, **extra))
     straight.fit()
     for layer in straight.model.model.layers:

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import TINY_MODEL
+from conftest import BIT_EXACT, TINY_MODEL
 from hybridrl.cli.commands import build_trainer
 from hybridrl.config import load_config
 from hybridrl.data import arith_sft_rows, make_arith_preference_rows, make_arith_rows, make_arith_unpaired_rows
@@ -55,12 +55,10 @@ def test_loss_falls(tmp_path, offline_data, algorithm, key):
 
 
 def test_dpo_resume_is_bit_exact(tmp_path, offline_data):
-    # deterministic: bit for bit on a GPU too (README, "What a run writes"); on CPU it changes nothing.
-    exact = {"train.deterministic": True}
-    straight = build_trainer(config(tmp_path / "a", offline_data, "dpo", **{**exact, "train.total_steps": 4}))
+    straight = build_trainer(config(tmp_path / "a", offline_data, "dpo", **{**BIT_EXACT, "train.total_steps": 4}))
     straight.fit()
-    build_trainer(config(tmp_path / "b", offline_data, "dpo", **{**exact, "train.total_steps": 2, "trainer.save_every": 2})).fit()
-    resumed = build_trainer(config(tmp_path / "b", offline_data, "dpo", **{**exact, "train.total_steps": 4, "trainer.save_every": 2}))
+    build_trainer(config(tmp_path / "b", offline_data, "dpo", **{**BIT_EXACT, "train.total_steps": 2, "trainer.save_every": 2})).fit()
+    resumed = build_trainer(config(tmp_path / "b", offline_data, "dpo", **{**BIT_EXACT, "train.total_steps": 4, "trainer.save_every": 2}))
     resumed.fit()
     assert resumed.step == 4
     for a, b in zip(straight.model.state_dict().values(), resumed.model.state_dict().values()):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from conftest import TINY_MODEL
+from conftest import BIT_EXACT, TINY_MODEL
 from hybridrl.cli.commands import build_trainer
 from hybridrl.config import load_config
 from hybridrl.data import make_arith_preference_rows, make_arith_rows
@@ -68,8 +68,7 @@ def test_rm_margin_enters_the_loss(tmp_path, preference_data):
 
 
 def test_rm_resume_is_bit_exact(tmp_path, preference_data):
-    # deterministic: bit for bit on a GPU too (README, "What a run writes"); on CPU it changes nothing.
-    overrides = {"train.total_steps": 4, "data.eval_path": "null", "train.deterministic": True}
+    overrides = {"train.total_steps": 4, "data.eval_path": "null", **BIT_EXACT}
     straight = build_trainer(config(tmp_path / "a", preference_data, **overrides))
     straight.fit()
     build_trainer(config(tmp_path / "b", preference_data, **{**overrides, "train.total_steps": 2, "trainer.save_every": 2})).fit()

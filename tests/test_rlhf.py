@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import TINY_MODEL, save_random_head_reward_model, small_config
+from conftest import BIT_EXACT, TINY_MODEL, save_random_head_reward_model, small_config
 from hybridrl.cli.commands import build_trainer
 from hybridrl.metrics import read_records
 
@@ -57,7 +57,7 @@ def test_ppo_with_learned_reward_and_streamed_function_resumes_exactly(tmp_path,
         "algorithm.name": "ppo", "model.reward_model_path": str(reward_model_dir), "reward.model_offload": True,
         "reward.model_normalize": True, "reward.model_clip": 3.0, "reward.model_weight": 0.5, "reward.num_workers": 2,
         "train.batch_size": 16, "train.micro_batch_size": 16, "train.total_steps": 4, "data.eval_path": "null",
-        "train.deterministic": True,  # deterministic: bit for bit on a GPU too (README, "What a run writes"); on CPU it changes nothing.
+        **BIT_EXACT,
     }
     straight = build_trainer(small_config(tmp_path / "a", arith_data, **extra))
     straight.fit()

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import small_config
+from conftest import BIT_EXACT, small_config
 from hybridrl.checkpoint import CheckpointError, CheckpointManager
 from hybridrl.cli.commands import build_trainer
 from hybridrl.cli.main import main
@@ -230,9 +230,7 @@ def test_full_disk_during_metrics_write_is_a_clear_error(tmp_path, arith_data, m
 # ---- preemption, in-process -------------------------------------------------------------------
 
 def test_sigterm_past_the_grace_period_abandons_the_step_exactly(tmp_path, arith_data, monkeypatch):
-    # deterministic: on a GPU a resumed run matches a straight one bit for bit only with deterministic kernels
-    # (README, "What a run writes"); on CPU it changes nothing.
-    extra = {"train.total_steps": 4, "trainer.preemption_grace_s": 0.2, "train.deterministic": True}
+    extra = {"train.total_steps": 4, "trainer.preemption_grace_s": 0.2, **BIT_EXACT}
     straight = build_trainer(config(tmp_path / "a", arith_data, **extra))
     straight.fit()
 
