@@ -107,3 +107,20 @@ def test_non_finite_gradients_skip_the_update(bad):
     result = optimizer_step(model, opt, [x, x], lambda micro: (_loss(model, micro), {}), grad_clip=1.0)
     assert not result.skipped and result.grad_norm > 0
     assert any(not torch.equal(m, b) for m, b in zip(opt.master_params, before))
+
+
+def test_step_hooks_run_once_per_step_after_a_plain_adamw_exists():
+    """torch wraps a class's `step` with the hook runner when its first instance is built, so once any plain
+    AdamW exists, AdamW.step runs hooks too. MasterWeightAdamW's step must not run them a second time through
+    it: a post hook (the trainer's preemption and optimizer-offload hooks) sees one finished step, with the
+    model's bf16 weights already updated."""
+    torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())  # patches AdamW.step, as any other AdamW in the process does
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    opt = MasterWeightAdamW([{"params": list(model.parameters())}], lr=0.1)
+    before = model.weight.detach().clone()
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append(("post", torch.equal(model.weight, before))))
+    model(torch.randn(2, 4, dtype=torch.bfloat16)).float().square().sum().backward()
+    opt.step()
+    assert calls == ["pre", ("post", False)]  # once each; the post hook sees the updated model weights

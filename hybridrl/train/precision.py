@@ -70,7 +70,10 @@ class MasterWeightAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = super().step(closure)
+        # AdamW's own step, without the hook runner torch wraps around it once any plain AdamW exists in the
+        # process: this step's wrapper already runs the hooks, once, around the update and the copy below.
+        adamw_step = torch.optim.AdamW.step
+        loss = (adamw_step.__wrapped__ if getattr(adamw_step, "hooked", False) else adamw_step)(self, closure)
         torch._foreach_copy_(self.model_params, self.master_params)
         return loss
 
