@@ -80,7 +80,9 @@ def run_hybridrl(data: dict[str, Path], marks: list[float], eval_rows: list[dict
     cfg = load_config(DEMO_CONFIG, [
         f"model.path={TINY_MODEL}", f"data.train_path={data['train']}", f"data.eval_path={data['test']}",
         f"trainer.output_dir={work / 'hybridrl'}", "trainer.eval_every=0", "trainer.save_every=0",
-        "trainer.progress=false", "trainer.resume=off", "train.total_steps=1000000", *overrides,
+        "trainer.progress=false", "trainer.resume=off", "train.total_steps=1000000",
+        "train.device=cpu", "model.dtype=float32",  # W-tiny is a CPU workload in fp32, as TRL's side runs it
+        *overrides,
     ])  # fmt: skip
     trainer = build_trainer(cfg)
     clock = Clock(marks, lambda: greedy_accuracy(trainer.model, trainer.tokenizer, eval_rows))
