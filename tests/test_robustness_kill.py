@@ -34,8 +34,7 @@ def write_config(tmp_path, arith_data, steps=STEPS, **trainer):
         f"model: {{path: {TINY_MODEL}}}\n"
         f"data: {{train_path: {arith_data['train']}, max_prompt_length: 16}}\n"
         "rollout: {backend: hf, n: 4, max_tokens: 6}\n"
-        # deterministic: a killed and resumed run matches the straight one bit for bit on a GPU too (README, "What a run
-        # writes"); on CPU it changes nothing.
+        # deterministic: conftest.BIT_EXACT's setting, written as YAML
         f"train: {{batch_size: 8, micro_batch_size: 4, total_steps: {steps}, lr: 1.0e-4, num_threads: 1, deterministic: true}}\n"
         "algorithm: {kl_coef: 0.001}\n"
         f"trainer: {{{trainer_yaml}}}\n"

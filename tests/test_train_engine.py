@@ -16,21 +16,21 @@ from hybridrl.metrics import read_records
 
 
 def _first_record(tmp_path, arith_data, **overrides):
+    """One step on CPU, in fp32: the packed-vs-padded test's tolerances are fp32's and it checks the CPU record's
+    keys (a GPU's packed and padded steps are compared kernel by kernel in test_train_gpu.py)."""
     cfg = small_config(tmp_path, arith_data, **{"train.total_steps": 1, "trainer.save_every": 0, "data.eval_path": "null",
-                                                "algorithm.kl_coef": 0.05, **overrides})  # fmt: skip
+                                                "algorithm.kl_coef": 0.05, "train.device": "cpu", **overrides})  # fmt: skip
     trainer = build_trainer(cfg)
     trainer.fit()
     return trainer, read_records(trainer.metrics.path)[0]
 
 
 def test_packed_token_budget_step_matches_the_padded_step(tmp_path, arith_data):
-    # On CPU, in fp32: the tolerances below are fp32's, and the record's CPU keys are checked (a GPU's packed and
-    # padded steps are compared kernel by kernel in test_train_gpu.py).
-    _, padded = _first_record(tmp_path / "a", arith_data, **{"train.packing": "off", "train.device": "cpu"})
+    _, padded = _first_record(tmp_path / "a", arith_data, **{"train.packing": "off"})
     trainer, packed = _first_record(
         tmp_path / "b", arith_data,
         **{"train.packing": "on", "train.max_tokens_per_micro_batch": 96, "model.gradient_checkpointing": "true",
-           "train.offload_reference": "true", "train.device": "cpu"},
+           "train.offload_reference": "true"},
     )  # fmt: skip
     assert trainer.packed and trainer.ref_offload is not None
     assert packed["reward/mean"] == padded["reward/mean"]  # the same rollout
