@@ -11,10 +11,6 @@ from hybridrl.data import make_arith_rows
 from hybridrl.metrics import read_records
 
 
-# train.device is "auto": a GPU where one is visible, whose records give the allocator's peak instead of the host's.
-MEMORY_KEY = "memory/peak_allocated_gib" if torch.cuda.is_available() else "memory/peak_rss_gib"
-
-
 @pytest.fixture(scope="module")
 def few_prompts(tmp_path_factory):
     """16 training prompts, reused every step: learning shows within a few dozen steps."""
@@ -43,6 +39,8 @@ def test_reward_rises(tmp_path, few_prompts, algorithm, extra):
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     trainer.fit()
     records = read_records(trainer.metrics.path)
+    # train.device is "auto": on a GPU the record gives the allocator's peak instead of the host's.
+    memory_key = "memory/peak_allocated_gib" if trainer.device.type == "cuda" else "memory/peak_rss_gib"
     assert [r["step"] for r in records] == list(range(1, cfg.train.total_steps + 1))
     first = sum(r["reward/mean"] for r in records[:5]) / 5
     last = sum(r["reward/mean"] for r in records[-5:]) / 5
@@ -50,7 +48,7 @@ def test_reward_rises(tmp_path, few_prompts, algorithm, extra):
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     for key in ("timing/rollout", "timing/reward", "timing/ref", "timing/train", "timing/step", "actor/pg_loss",
                 "actor/pg_clipfrac", "actor/entropy", "actor/grad_norm", "actor/lr", "reward/std",
-                "rollout/response_length/mean", "perf/tokens_per_s", MEMORY_KEY,
+                "rollout/response_length/mean", "perf/tokens_per_s", memory_key,
                 "timing/rollout/generate", "timing/rollout/postprocess", "timing/rollout/sleep"):
         assert isinstance(records[-1][key], (int, float)), key
     # Generation's share of the rollout phase, and no evaluation time carried into a step's record.
