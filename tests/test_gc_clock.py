@@ -49,6 +49,15 @@ def test_every_step_record_carries_the_collectors_time_and_the_hook_is_gone_afte
     assert trainer.gc_clock._callback not in gc.callbacks
 
 
+def _parked() -> int:
+    """The permanent generation's count with nothing frozen: 0 before Python 3.12; from 3.12 a
+    collection parks some of the interpreter's immortal objects there by itself (375 on 3.12.1, at
+    start-up and after any `gc.collect()`; see `GcClock`)."""
+    gc.unfreeze()
+    gc.collect()
+    return gc.get_freeze_count()
+
+
 def _collecting(generate, forced):
     def wrapper(*args, **kwargs):
         gc.collect()
@@ -63,7 +72,7 @@ def test_freeze_collects_the_garbage_first_and_unfreeze_returns_the_objects():
     frozen; live objects go to the permanent generation; `unfreeze` gives them back."""
     import weakref
 
-    assert gc.get_freeze_count() == 0
+    parked = _parked()
     clock = GcClock()
     garbage = _Cycle()
     dead = weakref.ref(garbage)
@@ -72,7 +81,7 @@ def test_freeze_collects_the_garbage_first_and_unfreeze_returns_the_objects():
     with clock:
         frozen = clock.freeze()
     assert dead() is None  # collected by the freeze's own collection
-    assert frozen > 0 and gc.get_freeze_count() > 0
+    assert frozen > parked
     assert all(o is not alive for o in gc.get_objects())  # frozen: no generation lists it now
     assert clock.pop()["perf/gc_collections"] >= 1  # the freeze's collection is the step's time
     clock.unfreeze()
@@ -87,6 +96,7 @@ def test_fit_freezes_after_the_first_step_and_unfreezes_at_the_end(tmp_path, ari
     import weakref
 
     seen = {}
+    parked = _parked()
     for on in (True, False):
         cfg = small_config(tmp_path / str(on), arith_data, **{"train.total_steps": 2, "trainer.save_every": 0, "data.eval_path": "null",
                                                               "train.batch_size": 16, "train.micro_batch_size": 8, "trainer.gc_freeze": on})  # fmt: skip
@@ -94,9 +104,12 @@ def test_fit_freezes_after_the_first_step_and_unfreezes_at_the_end(tmp_path, ari
         counts = []
         trainer.fit(stop_when=lambda record: counts.append(gc.get_freeze_count()) and False)
         seen[on] = counts
-        assert gc.get_freeze_count() == 0
+        if on:
+            assert gc.get_freeze_count() == 0  # fit's last act: gc.unfreeze
+        gc.collect()
+        assert gc.get_freeze_count() == parked  # nothing but what a collection parks by itself
         model = weakref.ref(trainer.model)
         del trainer
         gc.collect()
         assert model() is None  # nothing of the run stays frozen after fit
-    assert all(c > 0 for c in seen[True]) and seen[False] == [0, 0]
+    assert all(c > parked for c in seen[True]) and seen[False] == [parked, parked]

@@ -121,10 +121,13 @@ class GcClock:
     the long-lived objects (models, compiled graphs, kernels) exist. `unfreeze` at the end of `fit`
     returns them to the collector, so a trainer dropped afterwards (a notebook, a sweep, a test
     suite) is collected. Frozen objects that become garbage during the run are collected only then.
-    `gc.unfreeze` has no partial form, so objects that something else froze before the run (on the
-    H200 machine 375 were frozen before the first step) are unfrozen with the run's; they are kept
-    alive by their owners, so the collector only walks them again. Collections run in whichever
-    thread allocates, so a helper thread's collections are counted too.
+    `gc.unfreeze` has no partial form, so objects that something else froze before the run are
+    unfrozen with the run's; they are kept alive by their owners, so the collector only walks them
+    again. From Python 3.12 the permanent generation is not empty even with nothing frozen: a
+    collection puts some of the interpreter's own (immortal) objects there by itself. On 3.12.1,
+    `gc.get_freeze_count()` is 375 at start-up, 0 after `gc.unfreeze()`, 375 again after
+    `gc.collect()`: the 375 once seen on the H200 machine (Python 3.12) before the first step.
+    Collections run in whichever thread allocates, so a helper thread's collections are counted too.
     """
 
     def __init__(self):
