@@ -33,11 +33,14 @@ class _Allocator:
 
 
 class _Event:
+    log: list[str] | None = None  # where a test wants the order of event records and counter reads
+
     def __init__(self, enable_timing=False):
         pass
 
     def record(self):
-        pass
+        if _Event.log is not None:
+            _Event.log.append("event")
 
     def synchronize(self):
         pass
@@ -49,8 +52,14 @@ class _Event:
 @pytest.fixture
 def fake_cuda(monkeypatch):
     mem = _Allocator()
-    monkeypatch.setattr(torch.cuda, "memory_stats",
-                        lambda device=None: {"allocated_bytes.all.peak": mem.peak, "reserved_bytes.all.peak": mem.reserved_peak})  # fmt: skip
+
+    def nested_stats(device=None):
+        if _Event.log is not None:
+            _Event.log.append("stats")
+        return {"allocated_bytes": {"all": {"peak": mem.peak}}, "reserved_bytes": {"all": {"peak": mem.reserved_peak}}}
+
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", nested_stats)
+    monkeypatch.setattr(_Event, "log", None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", mem.reset)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     return mem
@@ -114,3 +123,17 @@ def test_off_cuda_the_step_record_keeps_the_process_peak():
     assert timer.pop_memory() == {}
     out = memory_metrics(torch.device("cpu"), timer)
     assert set(out) == {"memory/peak_rss_gib"} and out["memory/peak_rss_gib"] > 0
+
+
+def test_between_two_phases_the_host_reads_the_counters_once(fake_cuda):
+    """A GPU idle behind a host-bound phase (scoring, a synchronous generate) keeps running the clock
+    between one phase's end event and the next one's start event: time counted in no phase. The
+    counters are read after a phase's start event, so only the closing phase's read falls there."""
+    timer = PhaseTimer(torch.device("cuda"))
+    _Event.log = []
+    with timer.phase("reward_exposed"):
+        pass
+    with timer.phase("old_logprobs"):
+        pass
+    # start, read | end, read || start, read | end, read: one read between the phases (two before the fix)
+    assert _Event.log == ["event", "stats", "event", "stats", "event", "stats", "event", "stats"]

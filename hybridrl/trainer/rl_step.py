@@ -48,7 +48,7 @@ def rl_step(t: "TrainerEngine", prompts: list["PromptExample"]) -> dict[str, Any
         if texts is not None:
             texts.result()
         scores, reward_metrics = score_responses(t, prompts, samples, scorer)
-    batch["scores"] = to_device(scores, batch.input_ids.device)
+        batch["scores"] = to_device(scores, batch.input_ids.device)
     with timer.phase("old_logprobs"):
         diff_metrics = compute_old_logprobs(t, batch)
     with timer.phase("values"):
