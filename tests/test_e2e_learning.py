@@ -35,8 +35,9 @@ def test_reward_rises(tmp_path, few_prompts, algorithm, extra):
     # rise +0.275 GRPO, +0.277 RLOO, +0.405 PPO). At 5e-4 some seeds collapsed (GRPO seed 9 +0.106, RLOO seed 4
     # +0.181, PPO seed 4 +0.180), and a GPU's sampling stream is another seed: on an H100 at 3e-4, train.seed 0-7
     # (RLOO) and 0-6 (GRPO) rose at least +0.309 and +0.409. RLOO's case did fail there, at 3e-4 as at 5e-4 (whose
-    # traceback was lost), but on the phase-sum line below: 95.3%, the timer reading the allocator's counters
-    # twice between phases, where a GPU idle behind a host-bound phase counted them in no phase.
+    # traceback was lost), but on the phase-sum line below (95.3%): host work between one phase's end event and
+    # the next one's start, counted in no phase while the GPU sat idle. That was two reads of the allocator's
+    # counters (82 us each there) and the scores' copy; now one read (11 us) and the copy is in reward_exposed.
     cfg = small_config(tmp_path, few_prompts, **{
         "model.dtype": "float32", "algorithm.name": algorithm, "rollout.n": 8, "train.batch_size": 128, "train.micro_batch_size": 128,
         "train.lr": 3e-4, "train.total_steps": 40, "trainer.save_every": 0, "algorithm.kl_coef": 0.0, **extra,
