@@ -70,7 +70,7 @@ class PhaseTimer:
         running peaks (allocated, reserved), then resets them, so the next phase to open or close
         starts its own window."""
         # One read of the allocator's counters for both, nested: memory_stats() flattens and sorts every
-        # counter in Python, the most of this call's time, and it runs twice a phase.
+        # counter in Python, most of its time, and this runs twice a phase.
         stats = torch.cuda.memory_stats_as_nested_dict(self.device)
         allocated = stats.get("allocated_bytes", {}).get("all", {}).get("peak", 0)
         reserved = stats.get("reserved_bytes", {}).get("all", {}).get("peak", 0)
