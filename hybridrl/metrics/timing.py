@@ -56,12 +56,15 @@ class PhaseTimer:
                 yield
         finally:
             if self.on_cuda:
-                end_event = torch.cuda.Event(enable_timing=True)
-                end_event.record()
-                self._pending.append((name, start_event, end_event))
+                # The counters before the end event, as after the start event: the host's reads fall inside
+                # the phases, none between them. The phase's memory was reserved as its work was issued,
+                # all of it before this read.
                 self._fold_peaks()
                 _, allocated = self._open.pop()
                 self._phase_peaks[name] = max(self._phase_peaks.get(name, 0), allocated)
+                end_event = torch.cuda.Event(enable_timing=True)
+                end_event.record()
+                self._pending.append((name, start_event, end_event))
             else:
                 self._add(name, time.perf_counter() - start)
 
