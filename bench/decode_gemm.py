@@ -2,6 +2,7 @@
 
     python bench/decode_gemm.py [--size 0.5B] [--rows 256] [--no-autotune] [--split-k 2,4,8] [--hot]
     python bench/decode_gemm.py --lt 16 [--size 0.5B] [--rows 256] [--lt-sm-targets 0,128] [--lt-variants]
+    python bench/decode_gemm.py --fp8 [--size 0.5B] [--rows 256]
 
 One decode step of the native engine multiplies `rows` activations by each layer's fused q|k|v,
 o_proj, fused gate|up and down_proj weights, then by the lm_head. Each shape is timed as in the
@@ -14,6 +15,12 @@ HBM costs each product.
 `--lt N` times cuBLASLt's first N heuristic candidates for each product instead (the first is the
 one PyTorch runs; hybridrl/kernels/cublaslt.py), q|k|v with its bias as the engine runs it;
 `--lt-variants` adds each candidate's other split-K counts, reduction schemes and CTA swizzle.
+
+`--fp8` times the same products with float8 (e4m3) operands through `torch._scaled_mm` (per-row
+activation scales, per-output-channel weight scales, bf16 output) against bf16 cuBLAS: once with the
+activations already quantized (as a norm or activation kernel that wrote fp8 would leave them), and
+once with the activations' quantization (row amax, scale, cast) timed in. It also prints each
+product's error against the fp32 product, relative to the output's norm, for bf16 and fp8.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ def main(argv=None):
                     "instead of each layer's own")
     ap.add_argument("--blas", choices=["cublas", "cublaslt"], default=None,
                     help="the BLAS library PyTorch's bf16 products go through (torch.backends.cuda.preferred_blas_library); default: PyTorch's")
+    ap.add_argument("--fp8", action="store_true", help="time float8 (e4m3) products through torch._scaled_mm instead")
     ap.add_argument("--lt", type=int, default=0, help="time cuBLASLt's first N heuristic candidates per product instead")
     ap.add_argument("--lt-layout", choices=["linear", "dx", "dw"], default="linear",
                     help="with --lt: the forward product (x @ w.T), or the backward's input gradient (dy @ w) or "
@@ -67,6 +75,8 @@ def main(argv=None):
     ap.add_argument("--lt-sm-targets", default="0", help="with --lt: also ask the heuristic to plan for these SM counts "
                     "(comma-separated; 0 = the device's)")
     args = ap.parse_args(argv)
+    if args.fp8:
+        return fp8_table(args)
     if args.lt:
         return lt_table(args)
     if args.blas and torch.cuda.is_available():
@@ -124,6 +134,65 @@ def main(argv=None):
         print(f"| {name} | {N} x {K} | {cublas:.2f} | {'-' if auto is None else f'{auto:.2f}'} |{split_txt} {floor:.2f} |")
         del ws
     print(f"| per decode step | | {total[0]:.1f} | {total[1]:.1f} | {total[2]:.1f} |")
+
+
+E4M3_MAX = 448.0
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [R, K] as e4m3 with one fp32 scale per row ([R, 1]): t ~= q * scale."""
+    scale = t.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX
+    return (t.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def fp8_linear(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+    """x @ w.T from row-quantized x [M, K] and w [N, K]: wq.t() is the column-major [K, N] operand
+    _scaled_mm wants; the scales are [M, 1] and [1, N]."""
+    return torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw.t(), out_dtype=torch.bfloat16)
+
+
+def fp8_table(args) -> None:
+    """bf16 cuBLAS against float8 products per decode product, each layer's own weight, in one CUDA graph."""
+    H, I, nh, nkv, hd, L, V = SHAPES[args.size]
+    M = args.rows
+    shapes = {"qkv": ((nh + 2 * nkv) * hd, H, L), "o_proj": (H, nh * hd, L), "gate_up": (2 * I, H, L), "down": (H, I, L), "lm_head": (V, H, 1)}
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    quant_x = torch.compile(quantize_rows, dynamic=False)
+    print(f"[{args.size}] rows {M}: microseconds per product (each layer's own weight, in one CUDA graph); "
+          "fp8 = e4m3 through torch._scaled_mm, per-row scales")
+    print("| product | N x K | bf16 us | fp8 us (x quantized) | fp8 + x quantization us | bf16 error | fp8 error |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    total = [0.0, 0.0, 0.0]
+    for name, (N, K, copies) in shapes.items():
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        qs = [quantize_rows(w) for w in ws]
+        xq, sx = quantize_rows(x)
+
+        def bf16_fn():
+            for w in ws:
+                F.linear(x, w)
+
+        def fp8_fn():
+            for wq, sw in qs:
+                fp8_linear(xq, sx, wq, sw)
+
+        def fp8_quant_fn():
+            for wq, sw in qs:
+                fp8_linear(*quant_x(x), wq, sw)
+
+        bf16 = time_graph_us(bf16_fn, copies)
+        f8 = time_graph_us(fp8_fn, copies)
+        f8q = time_graph_us(fp8_quant_fn, copies)
+        ref = x.float() @ ws[0].float().t()
+        err = lambda y: ((y.float() - ref).norm() / ref.norm()).item()  # noqa: E731
+        e16, e8 = err(F.linear(x, ws[0])), err(fp8_linear(xq, sx, *qs[0]))
+        for i, us in enumerate((bf16, f8, f8q)):
+            total[i] += us * copies
+        print(f"| {name} | {N} x {K} | {bf16:.2f} | {f8:.2f} | {f8q:.2f} | {e16:.2e} | {e8:.2e} |")
+        del ws, qs
+    print(f"| per decode step | | {total[0]:.1f} | {total[1]:.1f} | {total[2]:.1f} | | |")
 
 
 def lt_table(args) -> None:
