@@ -39,6 +39,13 @@ SHAPES = {  # (hidden, intermediate, heads, kv heads, head dim, layers, vocab)
 HBM_BYTES_PER_S = 4.8e12
 
 
+def decode_products(size: str) -> dict[str, tuple[int, int, int]]:
+    """One decode step's products at `size`: name -> (N, K, how many a step: one per layer, one lm_head)."""
+    H, I, nh, nkv, hd, L, V = SHAPES[size]
+    return {"qkv": ((nh + 2 * nkv) * hd, H, L), "o_proj": (H, nh * hd, L), "gate_up": (2 * I, H, L), "down": (H, I, L),
+            "lm_head": (V, H, 1)}
+
+
 def time_graph(fn, reps: int = 20) -> float:
     """Milliseconds per replay of a CUDA graph of `fn`, best of `reps` (after warm-up)."""
     return time_graph_us(fn, 1, reps) / 1e3
@@ -81,9 +88,8 @@ def main(argv=None):
         return lt_table(args)
     if args.blas and torch.cuda.is_available():
         torch.backends.cuda.preferred_blas_library(args.blas)
-    H, I, nh, nkv, hd, L, V = SHAPES[args.size]
     M = args.rows
-    shapes = {"qkv": ((nh + 2 * nkv) * hd, H, L), "o_proj": (H, nh * hd, L), "gate_up": (2 * I, H, L), "down": (H, I, L), "lm_head": (V, H, 1)}
+    shapes = decode_products(args.size)
     torch.manual_seed(0)
     dev = torch.device("cuda")
     tuned = None
@@ -153,9 +159,8 @@ def fp8_linear(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.T
 
 def fp8_table(args) -> None:
     """bf16 cuBLAS against float8 products per decode product, each layer's own weight, in one CUDA graph."""
-    H, I, nh, nkv, hd, L, V = SHAPES[args.size]
     M = args.rows
-    shapes = {"qkv": ((nh + 2 * nkv) * hd, H, L), "o_proj": (H, nh * hd, L), "gate_up": (2 * I, H, L), "down": (H, I, L), "lm_head": (V, H, 1)}
+    shapes = decode_products(args.size)
     torch.manual_seed(0)
     dev = torch.device("cuda")
     quant_x = torch.compile(quantize_rows, dynamic=False)
@@ -199,9 +204,8 @@ def lt_table(args) -> None:
     """cuBLASLt's candidates per decode product, timed as the engine runs them; the fastest against PyTorch's."""
     from hybridrl.kernels.cublaslt import LtProduct, choose
 
-    H, I, nh, nkv, hd, L, V = SHAPES[args.size]
     M = args.rows
-    shapes = {"qkv": ((nh + 2 * nkv) * hd, H, L), "o_proj": (H, nh * hd, L), "gate_up": (2 * I, H, L), "down": (H, I, L), "lm_head": (V, H, 1)}
+    shapes = decode_products(args.size)
     torch.manual_seed(0)
     dev = torch.device("cuda")
     print(f"[{args.size}] rows {M}, {args.lt_layout}: microseconds per product, each layer's own weight, in one CUDA graph")

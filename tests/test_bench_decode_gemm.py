@@ -44,3 +44,11 @@ def test_the_quantization_of_zero_rows_stays_finite():
     decode_gemm = bench_script("decode_gemm")
     q, s = decode_gemm.quantize_rows(torch.zeros(4, 64, dtype=torch.bfloat16))
     assert torch.isfinite(s).all() and (q.float() == 0).all()
+
+
+def test_every_table_times_the_decode_steps_products_at_their_model_shapes():
+    decode_gemm = bench_script("decode_gemm")
+    assert decode_gemm.decode_products("0.5B") == {  # Qwen2.5-0.5B: q|k|v 14 + 2 x 2 heads of 64, gate|up 2 x 4864
+        "qkv": (1152, 896, 24), "o_proj": (896, 896, 24), "gate_up": (9728, 896, 24), "down": (896, 4864, 24),
+        "lm_head": (151936, 896, 1)}
+    assert decode_gemm.decode_products("1.5B")["qkv"] == (2048, 1536, 28)  # 12 + 2 x 2 heads of 128
