@@ -151,6 +151,11 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (t.float() / scale).to(torch.float8_e4m3fn), scale
 
 
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """||y - ref|| / ||ref||, y taken in fp32: the error columns of the --fp8 table."""
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
 def fp8_linear(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
     """x @ w.T from row-quantized x [M, K] and w [N, K]: wq.t() is the column-major [K, N] operand
     _scaled_mm wants; the scales are [M, 1] and [1, N]."""
@@ -191,8 +196,7 @@ def fp8_table(args) -> None:
         f8 = time_graph_us(fp8_fn, copies)
         f8q = time_graph_us(fp8_quant_fn, copies)
         ref = x.float() @ ws[0].float().t()
-        err = lambda y: ((y.float() - ref).norm() / ref.norm()).item()  # noqa: E731
-        e16, e8 = err(F.linear(x, ws[0])), err(fp8_linear(xq, sx, *qs[0]))
+        e16, e8 = relative_error(F.linear(x, ws[0]), ref), relative_error(fp8_linear(xq, sx, *qs[0]), ref)
         for i, us in enumerate((bf16, f8, f8q)):
             total[i] += us * copies
         print(f"| {name} | {N} x {K} | {bf16:.2f} | {f8:.2f} | {f8q:.2f} | {e16:.2e} | {e8:.2e} |")

@@ -8,10 +8,6 @@ import torch
 from conftest import bench_script
 
 
-def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((y.float() - ref).norm() / ref.norm()).item()
-
-
 @pytest.mark.parametrize("m, n, k", [(256, 1152, 896), (8, 896, 4864)])
 def test_fp8_product_matches_the_fp32_product_within_e4m3_rounding(m, n, k):
     decode_gemm = bench_script("decode_gemm")
@@ -28,14 +24,14 @@ def test_fp8_product_matches_the_fp32_product_within_e4m3_rounding(m, n, k):
     ref = x.float() @ w.float().t()
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     # e4m3 keeps 3 mantissa bits: ~2-5% of the output's norm, per column too (each weight row its own scale)
-    assert relative_error(y, ref) < 0.06
+    assert decode_gemm.relative_error(y, ref) < 0.06
     small = slice(0, n // 8)  # the weight rows ~1e-6 of the largest: a tensor-wide scale would flush them
-    assert relative_error(y[:, small], ref[:, small]) < 0.06
+    assert decode_gemm.relative_error(y[:, small], ref[:, small]) < 0.06
     # the check above can fail: one scale for the whole weight leaves its small rows in e4m3's subnormals
     sw_all = w.float().abs().amax() / decode_gemm.E4M3_MAX
     wq_all = (w.float() / sw_all).to(torch.float8_e4m3fn)
     y_all = decode_gemm.fp8_linear(xq, sx, wq_all, sw_all.expand(n, 1).contiguous())
-    assert relative_error(y_all[:, small], ref[:, small]) > 0.1
+    assert decode_gemm.relative_error(y_all[:, small], ref[:, small]) > 0.1
     with pytest.raises(ValueError, match="scal"):  # the weights' scales given for the rows: refused, not misapplied
         decode_gemm.fp8_linear(xq, sw, wq, sx)
 
