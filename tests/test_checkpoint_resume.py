@@ -86,6 +86,87 @@ def test_keep_last_and_latest_marker(tmp_path, arith_data):
     assert {"model/model.safetensors", "optimizer.pt", "scheduler.pt", "state.json", "config.yaml"} <= set(manifest["files"])
 
 
+def superseded(run_dir):
+    dirs = sorted(run_dir.glob("superseded-*"))
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def test_rewinding_sets_later_checkpoints_and_records_aside(tmp_path, arith_data, caplog):
+    cfg = small_config(tmp_path, arith_data, **{"train.total_steps": 4, "trainer.save_every": 1, "trainer.keep_last": 4,
+                                                "trainer.eval_every": 0})
+    first = run(cfg)
+    run_dir = tmp_path / "run"
+    root = run_dir / "checkpoints"
+    first_records = read_records(first.metrics.path)
+
+    with caplog.at_level(logging.WARNING, logger="hybridrl.trainer"):
+        build_trainer(cfg).resume_from_checkpoint(root / "step_000002")
+    aside = superseded(run_dir)
+    assert [p.name for p in CheckpointManager(root).list_steps()] == ["step_000001", "step_000002"]
+    assert (root / "latest").read_text().strip() == "step_000002"
+    assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == ["step_000003", "step_000004"]
+    assert CheckpointManager.verify(aside / "checkpoints" / "step_000004") is None  # moved whole, still intact
+    assert read_records(aside / "metrics.jsonl") == first_records[2:]
+    assert [r["step"] for r in read_records(run_dir / "metrics.jsonl")] == [1, 2]
+    assert "set aside in" in caplog.text and "step_000003, step_000004, metrics.jsonl (2 records past step 2)" in caplog.text
+    assert "later metric records dropped" not in caplog.text  # set aside, not dropped
+
+    # A crash before the rewound run's next save resumes from where it was rewound to, not from the set-aside step 4.
+    assert CheckpointManager(root).resolve("auto").name == "step_000002"
+    again = run(cfg)
+    assert again.step == 4
+    assert [r["step"] for r in read_records(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert len(list(run_dir.glob("superseded-*"))) == 1  # resuming the step-2 checkpoint moved nothing more
+
+
+def test_damaged_newest_is_set_aside_on_resume(tmp_path, arith_data):
+    cfg = small_config(tmp_path, arith_data, **{"train.total_steps": 4, "trainer.save_every": 2, "trainer.keep_last": 2,
+                                                "trainer.eval_every": 0})
+    run(cfg)
+    run_dir = tmp_path / "run"
+    root = run_dir / "checkpoints"
+    weights = root / "step_000004" / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    resumed = run(small_config(tmp_path, arith_data, **{"train.total_steps": 6, "trainer.save_every": 3,
+                                                        "trainer.keep_last": 2, "trainer.eval_every": 0}))
+    assert resumed.step == 6
+    # The damaged step 4 no longer counts against keep_last (it would have left [4 (damaged), 6]): both kept are intact.
+    assert [p.name for p in CheckpointManager(root).list_steps()] == ["step_000003", "step_000006"]
+    assert all(CheckpointManager.verify(p) is None for p in CheckpointManager(root).list_steps())
+    aside = superseded(run_dir)
+    assert CheckpointManager.verify(aside / "checkpoints" / "step_000004") is not None  # kept for a look, as it was
+    assert [r["step"] for r in read_records(aside / "metrics.jsonl")] == [3, 4]
+
+
+def test_resume_off_keeps_the_earlier_run(tmp_path, arith_data):
+    run(small_config(tmp_path, arith_data, **{"train.total_steps": 2, "trainer.eval_every": 0}))
+    run_dir = tmp_path / "run"
+    restarted = run(small_config(tmp_path, arith_data, **{"train.total_steps": 1, "trainer.eval_every": 0,
+                                                          "trainer.resume": "off"}))
+    assert restarted.step == 1
+    aside = superseded(run_dir)
+    assert [p.name for p in (aside / "checkpoints").iterdir()] == ["step_000002"]
+    assert [r["step"] for r in read_records(aside / "metrics.jsonl")] == [1, 2]
+    assert [r["step"] for r in read_records(run_dir / "metrics.jsonl")] == [1]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000001"
+
+
+def test_set_aside_moves_only_what_the_run_leaves(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        (root / f"step_00000{step}").mkdir(parents=True)
+    (root / "latest").write_text("step_000003\n")
+    manager = CheckpointManager(root)
+    assert manager.set_aside(3, tmp_path / "aside", keep=root / "step_000003") == []
+    assert not (tmp_path / "aside").exists()  # nothing to move, nothing made
+    assert manager.set_aside(1, tmp_path / "aside", keep=root / "step_000001") == ["step_000002", "step_000003"]
+    assert (root / "latest").read_text().strip() == "step_000001"
+    # Resuming a checkpoint from elsewhere at step 1: this run's own step 1 is another run's, and goes too.
+    assert manager.set_aside(1, tmp_path / "aside2", keep=tmp_path / "aside" / "step_000002") == ["step_000001"]
+    assert not (root / "latest").exists() and manager.list_steps() == []
+
+
 def test_export_loads_in_transformers_with_same_greedy_output(tmp_path, arith_data):
     trainer = run(small_config(tmp_path, arith_data, **{"train.total_steps": 2}))
     out = export_checkpoint(tmp_path / "run" / "checkpoints", tmp_path / "exported")

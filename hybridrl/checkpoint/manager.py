@@ -141,6 +141,37 @@ class CheckpointManager:
             if not stale.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(stale, ignore_errors=True)
 
+    def set_aside(self, step: int, dest: Path, keep: Path | None = None) -> list[str]:
+        """Moves the checkpoints a run continuing from `step` will not continue from into `dest`.
+
+        Those are every checkpoint past `step` (a later point of the run being rewound, or a damaged
+        one resume skipped) and the one at `step` unless it is `keep`, the checkpoint being resumed.
+        Left in place they would count against `keep_last` and, after a crash before the next
+        save, `latest` would send resume back to them. Nothing is deleted; `latest` is rewritten
+        to name `keep` (or removed). Returns the names moved.
+        """
+        keep = keep.resolve() if keep is not None else None
+        moving = [p for p in self.list_steps()
+                  if int(p.name[5:]) > step or (int(p.name[5:]) == step and p.resolve() != keep)]
+        if moving:
+            try:
+                dest.mkdir(parents=True, exist_ok=True)
+                for path in moving:
+                    os.replace(path, dest / path.name)
+            except OSError as e:
+                raise CheckpointError(
+                    f"could not move the checkpoints past step {step} out of {self.root} into {dest}: {e.strerror or e}. "
+                    "Move them away yourself (or delete them) and run again"
+                ) from e
+        marker = self.root / LATEST
+        if keep is not None and keep.parent == self.root.resolve():
+            _atomic_write_text(marker, keep.name + "\n")
+        elif moving and marker.is_file():
+            named = marker.read_text(encoding="utf-8").strip()
+            if not named or not (self.root / named).is_dir():
+                marker.unlink()
+        return [p.name for p in moving]
+
     # ---- reading -------------------------------------------------------------------------
     def list_steps(self) -> list[Path]:
         if not self.root.is_dir():

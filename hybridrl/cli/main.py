@@ -20,7 +20,8 @@ EPILOG = """examples:
 
 A run writes <output_dir>/metrics.jsonl (one JSON record per step), <output_dir>/config.yaml and
 <output_dir>/checkpoints/step_XXXXXX/. Running the same command again resumes from the latest
-intact checkpoint (trainer.resume=auto); trainer.resume=off starts over.
+intact checkpoint (trainer.resume=auto); trainer.resume=off starts over, moving the earlier run's
+checkpoints and records to <output_dir>/superseded-<time>/.
 """
 
 

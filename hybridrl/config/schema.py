@@ -191,7 +191,8 @@ class TrainerConfig:
     output_dir: str = "runs/hybridrl"  # metrics, checkpoints and the resolved config go here
     save_every: int = 50  # checkpoint every N steps (and at the end); 0 disables
     keep_last: int = 3  # checkpoints kept on disk (older ones are deleted)
-    resume: str = "auto"  # "auto" (latest if present), "off", or a checkpoint directory path
+    resume: str = "auto"  # "auto" (latest if present), "off", or a checkpoint directory path; going back sets
+    # the later checkpoints and metrics records aside in <output_dir>/superseded-<UTC time>/ (nothing is deleted)
     eval_every: int = 0  # evaluate on data.eval_path every N steps; 0 disables
     eval_samples: int = 200  # held-out prompts used per evaluation
     progress: bool = True  # show a progress bar on the console

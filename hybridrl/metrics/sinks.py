@@ -44,11 +44,15 @@ class JsonlSink:
         except OSError as e:
             raise MetricsWriteError(f"could not create the output directory {self.path.parent}: {e.strerror or e}. {FIX}") from e
 
-    def truncate_after(self, step: int) -> int:
-        """Keeps only complete records with `step <= step`; returns how many were dropped."""
+    def truncate_after(self, step: int, spill: Path | None = None) -> int:
+        """Keeps only complete records with `step <= step`; returns how many were dropped.
+
+        With `spill`, the complete records dropped are first written there (a partial line left by
+        a crash is not a record and is only dropped).
+        """
         if not self.path.exists():
             return 0
-        kept, dropped = [], 0
+        kept, later, dropped = [], [], 0
         for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 record = json.loads(line)
@@ -58,9 +62,16 @@ class JsonlSink:
             if isinstance(record, dict) and record.get("step", math.inf) <= step:
                 kept.append(line)
             else:
-                dropped += 1
+                later.append(line)
+        dropped += len(later)
         tmp = self.path.with_suffix(".jsonl.tmp")
         try:
+            if spill is not None and later:
+                spill.parent.mkdir(parents=True, exist_ok=True)
+                with open(spill, "w", encoding="utf-8") as f:
+                    f.write("".join(l + "\n" for l in later))
+                    f.flush()
+                    os.fsync(f.fileno())
             with open(tmp, "w", encoding="utf-8") as f:
                 f.write("".join(l + "\n" for l in kept))
                 f.flush()

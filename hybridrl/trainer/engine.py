@@ -10,6 +10,7 @@ import copy
 import logging
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -449,8 +450,9 @@ class TrainerEngine:
             return
         target = self.checkpoints.resolve(self.config.trainer.resume)
         if target is None:
-            if self.metrics.path.exists():
-                self.metrics.truncate_after(0)
+            # `off` starts over: the earlier run's checkpoints and records are set aside, not lost. Under
+            # `auto` there is no checkpoint, so any records are those of a run stopped before its first save.
+            self._supersede(0, None, keep_log=self.config.trainer.resume == "off")
             return
         self._load(target)
         self._restore_data_position(target)
@@ -486,8 +488,32 @@ class TrainerEngine:
         self._resume_state = state
         self._resume_from = target
         self._saved_step = self.step
-        dropped = self.metrics.truncate_after(self.step)
+        dropped = self._supersede(self.step, target)
         log.warning("resumed from %s at step %d%s", target, self.step, f" ({dropped} later metric records dropped)" if dropped else "")
+
+    def _supersede(self, step: int, keep: Path | None, keep_log: bool = False) -> int:
+        """Rewinds the run's outputs to `step`; returns how many metric records were dropped, not set aside.
+
+        The checkpoints it will not continue from (CheckpointManager.set_aside) go to
+        `<output_dir>/superseded-<UTC time>/checkpoints/`, with the records past `step` beside them
+        as `metrics.jsonl`, so rewinding a run (a `trainer.resume` path, `off`, or a damaged newest
+        checkpoint) loses nothing. Records past a checkpoint that is simply being resumed after a
+        crash are steps about to run again, and are only dropped.
+        """
+        dest = self.output_dir / f"superseded-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        for n in range(1, 1000):
+            if not dest.exists():
+                break
+            dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
+        moved = self.checkpoints.set_aside(step, dest / "checkpoints", keep)
+        spill = dest / "metrics.jsonl" if moved or keep_log else None
+        dropped = self.metrics.truncate_after(step, spill=spill)
+        records = len(spill.read_text(encoding="utf-8").splitlines()) if spill is not None and spill.exists() else 0
+        if moved or records:
+            what = [*moved, *([f"metrics.jsonl ({records} records past step {step})"] if records else [])]
+            log.warning("set aside in %s: %s. This run continues from step %d; delete that directory once it is no longer needed",
+                        dest, ", ".join(what), step)
+        return dropped - records
 
     def _write_run_config(self) -> None:
         path = self.output_dir / "config.yaml"
