@@ -102,8 +102,16 @@ def write_data(out: Path, num_train: int, num_test: int) -> dict[str, Path]:
 
 
 # ---- stages ----------------------------------------------------------------------------------
+def stage_config(config: str, overrides: list[str]):
+    """The stage's config, its output directory emptied: this script starts every stage over, so an
+    earlier run's outputs are removed rather than set aside in superseded-*/ as trainer.resume=off would."""
+    cfg = load_config(HERE / config, overrides)
+    shutil.rmtree(cfg.trainer.output_dir, ignore_errors=True)
+    return cfg
+
+
 def run_stage(config: str, overrides: list[str]) -> dict:
-    return build_trainer(load_config(HERE / config, overrides)).fit()
+    return build_trainer(stage_config(config, overrides)).fit()
 
 
 def export(summary: dict, out: Path) -> Path:
@@ -151,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     figures["rm_accuracy"] = rm["eval_after"]["accuracy"]
     print(f"[rm] {figures['rm_pairs']} training pairs; held-out pairwise accuracy {figures['rm_accuracy']:.3f}")
 
-    cfg = load_config(HERE / "ppo.yaml", [
+    cfg = stage_config("ppo.yaml", [
         f"model.path={sft_model}", f"model.reward_model_path={reward_model}", f"data.train_path={data['prompts/train']}",
         f"data.eval_path={data['prompts/test']}", f"trainer.output_dir={out / 'ppo'}", *common])
     trainer = build_trainer(cfg)

@@ -437,7 +437,8 @@ class TrainerEngine:
         """Resume from `path`, or from the latest intact checkpoint of the run when None.
 
         The weights, optimizer, scheduler and counters are restored now; the data-loader position
-        is restored when `fit` builds the loader.
+        is restored when `fit` builds the loader. The run's checkpoints past that step, and its
+        records past it, are moved to `<output_dir>/superseded-<UTC time>/` (see `_supersede`).
         """
         target = self.checkpoints.resolve(str(path) if path is not None else "auto")
         if target is None:
