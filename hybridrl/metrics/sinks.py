@@ -64,14 +64,17 @@ class JsonlSink:
             else:
                 later.append(line)
         dropped += len(later)
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        try:
-            if spill is not None and later:
+        if spill is not None and later:
+            try:
                 spill.parent.mkdir(parents=True, exist_ok=True)
                 with open(spill, "w", encoding="utf-8") as f:
                     f.write("".join(l + "\n" for l in later))
                     f.flush()
                     os.fsync(f.fileno())
+            except OSError as e:  # before the rewrite below, so the records are still in self.path
+                raise MetricsWriteError(f"could not write the records past step {step} to {spill}: {e.strerror or e}. {FIX}") from e
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        try:
             with open(tmp, "w", encoding="utf-8") as f:
                 f.write("".join(l + "\n" for l in kept))
                 f.flush()
