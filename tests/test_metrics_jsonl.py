@@ -20,7 +20,7 @@ def sink_with(tmp_path, steps, partial=False):
 def test_truncate_after_spills_complete_records_only(tmp_path):
     sink = sink_with(tmp_path, [1, 2, 3, 4, 5], partial=True)
     spill = tmp_path / "aside" / "metrics.jsonl"
-    assert sink.truncate_after(2, spill=spill) == 4  # three records and the partial line
+    assert sink.truncate_after(2, spill=spill) == (4, 3)  # three records and the partial line; the records spilled
     assert [r["step"] for r in read_records(sink.path)] == [1, 2]
     assert [json.loads(line)["step"] for line in spill.read_text().splitlines()] == [3, 4, 5]
 
@@ -28,7 +28,7 @@ def test_truncate_after_spills_complete_records_only(tmp_path):
 def test_truncate_after_without_records_past_the_step_writes_no_spill(tmp_path):
     sink = sink_with(tmp_path, [1, 2])
     spill = tmp_path / "aside" / "metrics.jsonl"
-    assert sink.truncate_after(2, spill=spill) == 0
+    assert sink.truncate_after(2, spill=spill) == (0, 0)
     assert not spill.parent.exists()
 
 

@@ -153,20 +153,21 @@ class CheckpointManager:
         keep = keep.resolve() if keep is not None else None
         moving = [p for p in self.list_steps()
                   if int(p.name[5:]) > step or (int(p.name[5:]) == step and p.resolve() != keep)]
-        if moving:
-            try:
-                dest.mkdir(parents=True, exist_ok=True)
-                for path in moving:
-                    os.replace(path, dest / path.name)
-            except OSError as e:
-                raise CheckpointError(
-                    f"could not move the checkpoints past step {step} out of {self.root} into {dest}: {e.strerror or e}. "
-                    "Move them away yourself (or delete them) and run again"
-                ) from e
+        if not moving:
+            return []
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            for path in moving:
+                os.replace(path, dest / path.name)
+        except OSError as e:
+            raise CheckpointError(
+                f"could not move the checkpoints past step {step} out of {self.root} into {dest}: {e.strerror or e}. "
+                "Move them away yourself (or delete them) and run again"
+            ) from e
         marker = self.root / LATEST
         if keep is not None and keep.parent == self.root.resolve():
             _atomic_write_text(marker, keep.name + "\n")
-        elif moving and marker.is_file():
+        elif marker.is_file():
             named = marker.read_text(encoding="utf-8").strip()
             if not named or not (self.root / named).is_dir():
                 marker.unlink()

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from hybridrl import failpoints
 
@@ -29,6 +29,14 @@ def _clean(value: Any) -> Any:
     return value
 
 
+class Truncation(NamedTuple):
+    """What `JsonlSink.truncate_after` removed: every line it cut (`dropped`: the records past the step
+    and any partial line) and, of those, the complete records written to the spill file (`spilled`)."""
+
+    dropped: int
+    spilled: int
+
+
 class JsonlSink:
     """Appends one JSON object per step to `metrics.jsonl`.
 
@@ -44,14 +52,14 @@ class JsonlSink:
         except OSError as e:
             raise MetricsWriteError(f"could not create the output directory {self.path.parent}: {e.strerror or e}. {FIX}") from e
 
-    def truncate_after(self, step: int, spill: Path | None = None) -> int:
-        """Keeps only complete records with `step <= step`; returns how many were dropped.
+    def truncate_after(self, step: int, spill: Path | None = None) -> Truncation:
+        """Keeps only complete records with `step <= step`; returns how many lines were cut and spilled.
 
         With `spill`, the complete records dropped are first written there (a partial line left by
         a crash is not a record and is only dropped).
         """
         if not self.path.exists():
-            return 0
+            return Truncation(0, 0)
         kept, later, dropped = [], [], 0
         for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
@@ -82,7 +90,7 @@ class JsonlSink:
             os.replace(tmp, self.path)
         except OSError as e:
             raise MetricsWriteError(f"could not rewrite {self.path} to step {step} for the resume: {e.strerror or e}. {FIX}") from e
-        return dropped
+        return Truncation(dropped, len(later) if spill is not None else 0)
 
     def write(self, record: dict[str, Any]) -> None:
         data = (json.dumps({k: _clean(v) for k, v in record.items()}, sort_keys=False) + "\n").encode("utf-8")

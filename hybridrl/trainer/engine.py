@@ -501,20 +501,18 @@ class TrainerEngine:
         checkpoint) loses nothing. Records past a checkpoint that is simply being resumed after a
         crash are steps about to run again, and are only dropped.
         """
-        dest = self.output_dir / f"superseded-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
-        for n in range(1, 1000):
-            if not dest.exists():
-                break
-            dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
+        base = dest = self.output_dir / f"superseded-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        n = 0
+        while dest.exists():  # a second rewind within the same second
+            n += 1
+            dest = base.with_name(f"{base.name}.{n}")
         moved = self.checkpoints.set_aside(step, dest / "checkpoints", keep)
-        spill = dest / "metrics.jsonl" if moved or keep_log else None
-        dropped = self.metrics.truncate_after(step, spill=spill)
-        records = len(spill.read_text(encoding="utf-8").splitlines()) if spill is not None and spill.exists() else 0
-        if moved or records:
-            what = [*moved, *([f"metrics.jsonl ({records} records past step {step})"] if records else [])]
+        cut = self.metrics.truncate_after(step, spill=dest / "metrics.jsonl" if moved or keep_log else None)
+        if moved or cut.spilled:
+            what = [*moved, *([f"metrics.jsonl ({cut.spilled} records past step {step})"] if cut.spilled else [])]
             log.warning("set aside in %s: %s. This run continues from step %d; delete that directory once it is no longer needed",
                         dest, ", ".join(what), step)
-        return dropped - records
+        return cut.dropped - cut.spilled
 
     def _write_run_config(self) -> None:
         path = self.output_dir / "config.yaml"
